@@ -1,0 +1,55 @@
+# Two commands are all a learner needs: `make lab` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch is pinned: this machine installs its local CPU wheel with exactly this pin, and an unpinned
+# torch would pull gigabytes of CUDA packages. environment.yml pins the same (tests/test_project.py).
+TORCH_VERSION := 2.13.0
+# This machine's pip.conf makes pip print one "Location ... is ignored" warning per index location;
+# drop those lines from stderr, keep everything else (pip's exit status is untouched).
+PIP_FILTER := 2> >(grep -v 'is ignored' >&2)
+# Which course_lib/bench_<WHAT>.py `make bench` runs.
+WHAT ?= launch
+
+.PHONY: lab test solutions labs doctor install bench clean system-deps
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip $(PIP_FILTER)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_FILTER)
+	$(PY) -m pip install -q -e ".[test]" $(PIP_FILTER)
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# JupyterLab on labs/, reachable from this machine only; token authentication stays on.
+lab: $(STAMP)
+	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1
+
+system-deps:
+	bash scripts/system-deps.sh
+
+# Unit tests + nbval on solutions/ and labs/ (configured in pyproject.toml). pytest's own exit
+# status is kept in test-artifacts/pytest-exit-status for .ci/run (make itself only says 2).
+test: $(STAMP) system-deps
+	@mkdir -p test-artifacts
+	$(PY) -m pytest; status=$$?; echo $$status > test-artifacts/pytest-exit-status; exit $$status
+
+# Instructor run: every solution headless, then a table of status, seconds, backend and devices.
+solutions: $(STAMP)
+	$(PY) -m course_lib validate
+	$(PY) -m course_lib run-solutions
+
+labs: $(STAMP)
+	$(PY) -m course_lib make-labs
+
+doctor: $(STAMP)
+	$(PY) -m course_lib doctor
+
+bench: $(STAMP)
+	$(PY) -m course_lib bench $(WHAT)
+
+clean:
+	rm -rf $(VENV) test-artifacts .pytest_cache

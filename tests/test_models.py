@@ -1,0 +1,161 @@
+"""The tiny GPT: config errors, parameter count, torch == Flax on the same weights, meta-device init.
+
+JAX is imported inside the tests, never at module level: another test module may need to set
+``XLA_FLAGS`` (simulated devices) before the first ``import jax`` in this pytest process.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from course_lib import models as M
+
+AWKWARD = M.GPTConfig(vocab_size=31, seq_len=13, d_model=21, n_heads=7, n_layers=2, d_ff=45)
+LOGIT_TOL = 1e-5  # fp32, same weights, same maths: observed differences are ~1e-6 or less
+
+
+def perturbed(cfg, seed=0, scale=0.3):
+    """Init weights plus a large random kick, so logits are O(1), not ~0, and the comparison bites."""
+    rng = np.random.default_rng(seed + 1)
+    return {k: (w + scale * rng.standard_normal(w.shape)).astype(np.float32) for k, w in M.init_weights(cfg, seed).items()}
+
+
+def test_config_errors_name_the_values():
+    with pytest.raises(ValueError, match=r"d_model\(66\) % n_heads\(4\) = 2.*\[1, 2, 3, 6, 11, 22, 33, 66\]"):
+        M.GPTConfig(n_heads=4)
+    with pytest.raises(ValueError, match=r"positive ints.*'d_ff': 0"):
+        M.GPTConfig(d_ff=0)
+    with pytest.raises(ValueError, match=r"positive ints.*'vocab_size': 67.0"):
+        M.GPTConfig(vocab_size=67.0)
+    with pytest.raises(ValueError, match=r"dropout\(1.0\)"):
+        M.GPTConfig(dropout=1.0)
+
+
+@pytest.mark.parametrize("cfg", [M.GPTConfig(), AWKWARD, M.GPTConfig(n_layers=1, d_ff=7, d_model=5, n_heads=5)])
+def test_param_count_matches_torch(cfg):
+    model = M.TorchGPT(cfg)
+    assert M.param_count(cfg) == sum(p.numel() for p in model.parameters())
+    assert list(M.weight_shapes(cfg)) == list(model.state_dict())
+
+
+def test_default_config_is_small_and_awkward():
+    cfg = M.GPTConfig()
+    assert 100_000 <= M.param_count(cfg) <= 300_000
+    for n in (cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.d_ff, 3 * cfg.d_model):
+        assert n % 4, f"{n} divides by 4: sharding over 4 ranks would not need padding"
+
+
+def test_init_weights_deterministic_and_shaped():
+    cfg = M.GPTConfig()
+    a, b, c = M.init_weights(cfg, 0), M.init_weights(cfg, 0), M.init_weights(cfg, 1)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["head.weight"], c["head.weight"])
+    assert all(w.dtype == np.float32 and w.shape == M.weight_shapes(cfg)[k] for k, w in a.items())
+    assert not a["blocks.0.attn.qkv.bias"].any() and (a["blocks.2.ln2.weight"] == 1).all()
+    assert abs(a["blocks.0.mlp.fc.weight"].std() - 0.02) < 0.002
+    # a tensor's numbers do not depend on how many layers exist
+    assert np.array_equal(a["head.weight"], M.init_weights(M.GPTConfig(n_layers=1), 0)["head.weight"])
+
+
+@pytest.mark.parametrize("cfg", [M.GPTConfig(), AWKWARD])
+def test_torch_equals_flax_on_same_weights(cfg):
+    import jax.numpy as jnp
+    weights = perturbed(cfg)
+    torch_model = M.torch_gpt(cfg)
+    torch_model.load_state_dict({k: torch.from_numpy(w) for k, w in weights.items()})
+    flax_model = M.flax_load_(M.flax_gpt(cfg), weights)
+    rng = np.random.default_rng(0)
+    for B, T in [(3, cfg.seq_len), (1, 1), (5, cfg.seq_len - 4)]:
+        idx = rng.integers(0, cfg.vocab_size, size=(B, T))
+        with torch.no_grad():
+            want = torch_model(torch.from_numpy(idx)).numpy()  # [B, T, V]
+        got = np.asarray(flax_model(jnp.asarray(idx)))
+        assert got.shape == want.shape == (B, T, cfg.vocab_size)
+        assert np.abs(want).max() > 0.5, "logits too small for the comparison to mean anything"
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL)
+    back = M.flax_to_numpy_weights(flax_model)
+    assert all(np.array_equal(back[k], w) for k, w in weights.items())
+
+
+def test_dropout_runs_and_eval_modes_agree():
+    import jax.numpy as jnp
+    cfg = M.GPTConfig(dropout=0.2)
+    torch_model, flax_model = M.torch_gpt(cfg), M.flax_gpt(cfg)
+    idx = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, cfg.seq_len))
+    x = torch.from_numpy(idx)
+    assert not torch.equal(torch_model(x), torch_model(x))          # train mode: fresh masks each call
+    assert not np.array_equal(flax_model(jnp.asarray(idx)), flax_model(jnp.asarray(idx)))
+    torch_model.eval(), flax_model.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(flax_model(jnp.asarray(idx))), torch_model(x).numpy(), atol=LOGIT_TOL)
+
+
+def test_too_long_sequence_is_an_error():
+    cfg = M.GPTConfig(seq_len=8)
+    with pytest.raises(ValueError, match=r"T\(9\) > cfg.seq_len\(8\)"):
+        M.torch_gpt(cfg)(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_meta_device_build_reproduces_torch_gpt():
+    cfg, seed = AWKWARD, 3
+    with torch.device("meta"):
+        model = M.TorchGPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    for module in model.modules():  # the standard layers' own init must still work after to_empty
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    M.torch_init_(model, cfg, seed)
+    want = M.torch_gpt(cfg, seed).state_dict()
+    got = model.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_torch_init_rejects_other_config():
+    with pytest.raises(ValueError, match=r"missing \['blocks.2.attn.proj.bias'"):
+        M.torch_init_(M.TorchGPT(M.GPTConfig(n_layers=2)), M.GPTConfig(), 0)
+
+
+def test_training_reduces_loss_and_frameworks_stay_equal():
+    """Same SGD steps in torch and Flax on the same batches: loss falls, weights stay equal."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from course_lib.data import TokenTask
+
+    cfg, lr, steps = M.GPTConfig(), 0.5, 8
+    task = TokenTask(cfg.vocab_size, cfg.seq_len)
+    torch_model, flax_model = M.torch_gpt(cfg), M.flax_gpt(cfg)
+    torch_opt = torch.optim.SGD(torch_model.parameters(), lr=lr)
+    flax_opt = nnx.Optimizer(flax_model, optax.sgd(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def flax_step(model, opt, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    torch_losses, flax_losses = [], []
+    for step in range(steps):
+        x, y = task.global_batch(step, 16)
+        loss = M.loss_fn(torch_model(torch.from_numpy(x)), torch.from_numpy(y))
+        torch_opt.zero_grad()
+        loss.backward()
+        torch_opt.step()
+        torch_losses.append(loss.item())
+        flax_losses.append(float(flax_step(flax_model, flax_opt, jnp.asarray(x), jnp.asarray(y))))
+    np.testing.assert_allclose(flax_losses, torch_losses, atol=1e-5)
+    assert torch_losses[-1] < torch_losses[0] - 0.5, torch_losses
+    a, b = M.to_numpy_weights(torch_model), M.flax_to_numpy_weights(flax_model)
+    assert max(np.abs(a[k] - b[k]).max() for k in a) < 1e-5
+
+
+def test_importing_models_does_not_import_jax():
+    code = ("import sys; import course_lib.models as m; from course_lib.models import *; "
+            "assert 'jax' not in sys.modules, 'jax imported at import time'; "
+            "m.FlaxGPT; assert 'jax' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
