@@ -30,6 +30,7 @@ import copy
 import hashlib
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,17 +281,25 @@ def _banner_from(nb) -> tuple[str, str]:
     return "-", "-"
 
 
-def _kernel_manager():
-    """A kernel manager whose 'python3' is this interpreter, whatever kernelspecs are installed."""
+def _kernel_manager_class(socket_dir: str):
+    """A KernelManager whose 'python3' is this interpreter, whatever kernelspecs are installed,
+    talking over Unix sockets in ``socket_dir`` (local only; no unencrypted-TCP warning)."""
     import ipykernel.kernelspec
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
 
-    class CurrentEnv(KernelSpecManager):
+    class CurrentEnvSpecs(KernelSpecManager):
         def get_kernel_spec(self, kernel_name):
             return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
                                           **ipykernel.kernelspec.get_kernel_dict())
-    return KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
+
+    class CurrentEnvKernelManager(KernelManager):
+        def __init__(self, **kw):
+            kw.setdefault("kernel_spec_manager", CurrentEnvSpecs())
+            kw.setdefault("transport", "ipc")
+            kw.setdefault("ip", str(Path(socket_dir) / "kernel"))
+            super().__init__(**kw)
+    return CurrentEnvKernelManager
 
 
 def run_notebook(path: Path, timeout: float = 600) -> RunResult:
@@ -302,10 +311,15 @@ def run_notebook(path: Path, timeout: float = 600) -> RunResult:
     current = {"index": -1}
     start = time.perf_counter()
     nb = None
+    sockets = tempfile.TemporaryDirectory(prefix="course-nb-")
     try:
         nb = _read(path)
+        for cell in nb.cells:          # stale stored outputs must not feed the table
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
         client = NotebookClient(
-            nb, km=_kernel_manager(), timeout=timeout, allow_errors=False,
+            nb, kernel_manager_class=_kernel_manager_class(sockets.name), kernel_name="python3",
+            timeout=timeout, allow_errors=False,
             resources={"metadata": {"path": str(path.parent.resolve())}},
             on_cell_start=lambda cell, cell_index: current.update(index=cell_index))
         client.execute()
@@ -319,6 +333,7 @@ def run_notebook(path: Path, timeout: float = 600) -> RunResult:
         status = f"FAILED cells[{current['index']}]: the kernel died"
     except Exception as exc:  # unreadable notebook, kernel that will not start, ...
         status = f"FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    sockets.cleanup()
     seconds = time.perf_counter() - start
     status = re.sub(r"\x1b\[[0-9;]*m", "", status)
     backend, devices = _banner_from(nb) if nb is not None else ("-", "-")
@@ -334,6 +349,7 @@ def run_all(paths: list[Path], timeout: float = 600) -> list[RunResult]:
         bar.set_postfix_str(Path(path).name)
         results.append(run_notebook(path, timeout))
     bar.close()
+    sys.stderr.flush()
     return results
 
 
@@ -345,7 +361,7 @@ def format_table(results: list[RunResult], width: int = 72) -> str:
         rows.append((r.notebook, status, f"{r.seconds:.1f}", r.backend, r.devices))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     fmt = "  ".join(f"{{:{'>' if i == 2 else '<'}{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*rows[0]), "  ".join("-" * w for w in widths)]
+    lines = [fmt.format(*rows[0]).rstrip(), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*row).rstrip() for row in rows[1:]]
     failed = sum(not r.ok for r in results)
     total = sum(r.seconds for r in results)

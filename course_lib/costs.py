@@ -183,16 +183,16 @@ def step_cost(strategy: str, units, n: int, *, param_bytes: int = 4, reduce_byte
     * ``"dp"`` -- all-reduce every gradient, no padding: ``2(N-1)/N · Ψ · b`` (DDP; Li et al. 2020).
     * ``"zero1"``, ``"zero2"`` -- reduce-scatter gradients, each rank updates its optimizer shard,
       all-gather parameters: ``2(N-1)/N · Ψpad · b``, the same as DP (ZeRO paper, Rajbhandari et al.
-      2020, sec. 7.2.1).
+      2020, sec. 7, "communication analysis of ZeRO-DP").
     * ``"zero3"``/``"fsdp"`` -- all-gather in forward, all-gather again in backward, reduce-scatter
-      gradients: ``3(N-1)/N · Ψpad · b``, 1.5x DP (ZeRO sec. 7.2.2; FSDP paper, Zhao et al. 2023, sec.
-      3.2). ``reshard_after_forward=False`` keeps parameters unsharded until backward: ``2(N-1)/N``
-      (FSDP's SHARD_GRAD_OP, i.e. ZeRO-2-like traffic). ``root_unit=i``: unit ``i`` is not resharded
+      gradients: ``3(N-1)/N · Ψpad · b``, 1.5x DP (ZeRO sec. 7; FSDP paper, Zhao et al., VLDB 2023,
+      "full sharding"). ``reshard_after_forward=False`` keeps parameters unsharded until backward:
+      ``2(N-1)/N`` (FSDP's SHARD_GRAD_OP, i.e. ZeRO-2-like traffic). ``root_unit=i``: unit ``i`` is not resharded
       after forward even so -- FSDP2 does this to the root when ``reshard_after_forward`` is left at its
       default, since its parameters would be all-gathered again at once.
     * ``"hsdp"`` -- ``replicate`` (R) x shard (F = N/R) mesh: all-gathers and reduce-scatter over F on
-      ``Ψ`` padded to F, then an all-reduce over R of the gradient shard ``Ψpad/F`` (FSDP paper sec.
-      3.2.2, hybrid sharding).
+      ``Ψ`` padded to F, then an all-reduce over R of the gradient shard ``Ψpad/F`` (FSDP paper,
+      "hybrid sharding", sharding factor F).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")

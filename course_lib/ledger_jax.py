@@ -8,20 +8,20 @@ inside a ``while`` body with a ``known_trip_count`` is recorded once per iterati
 layers issues its all-gather ``L`` times). ``phase`` is a guess from ``metadata={op_name=...}``:
 ``transpose(jvp(...))`` is backward, ``jvp(...)`` forward, anything else ``None``.
 
-What XLA:CPU emits (jax 0.10.2, 8 simulated devices; ``tests/test_ledger_jax.py`` pins it down):
+What XLA:CPU emits (jax 0.10.2, 8 simulated devices; compiled in ``tests/test_ledger_jax.py``):
 
 * ``shard_map`` keeps what you wrote: ``lax.all_gather`` -> ``all-gather``, ``lax.psum_scatter`` ->
   ``reduce-scatter``, ``lax.psum`` -> ``all-reduce`` (several psum'd tensors -> one tuple all-reduce),
   ``ppermute`` -> ``collective-permute``, ``all_to_all`` -> a tuple ``all-to-all`` of N chunks.
 * Automatic (``jit`` + ``NamedSharding``) FSDP: the partitioner all-gathers each sharded weight once
-  and keeps it for the backward pass (no re-gather unless ``jax.checkpoint``: then twice), and turns the
-  sharded gradient into a full-size ``all-reduce`` followed by a ``dynamic-slice`` -- XLA:CPU has no
-  pass that rewrites that pair into a ``reduce-scatter`` (GPU and TPU compilers do), and it combines
-  the all-reduces into one tuple op. So a CPU ledger shows 2(N-1)/N per gradient byte where
-  ZeRO-3's formula says (N-1)/N: the HLO tells what *this* backend does.
-* With a small batch the partitioner may move activations instead (``all-to-all`` + ``all-gather``).
-* A ``bfloat16`` psum is promoted: the all-reduce runs in ``f32`` (twice the payload).
-* No async ``*-start``/``*-done`` forms on CPU; they are parsed for GPU programs.
+  and keeps it for backward (gathered again only under ``jax.checkpoint``, or per layer in a
+  ``lax.scan``), and turns the sharded gradient into a full-size ``all-reduce`` + ``dynamic-slice``:
+  XLA:CPU has no pass that rewrites that pair into a ``reduce-scatter`` (XLA:GPU runs
+  ``ReduceScatterCreator``) and combines the all-reduces (and the loss's) into one tuple op. The
+  total, (1 + 2)(N-1)/N Ψ, equals ZeRO-3's 3(N-1)/N Ψ by coincidence; the split differs. With a small
+  batch the partitioner may move activations instead (``all-to-all`` + ``all-gather``).
+* A ``bfloat16`` psum is promoted: the all-reduce runs in ``f32`` (twice the payload). No async
+  ``*-start``/``*-done`` forms on CPU; they are parsed for GPU programs.
 * Replica groups come in three spellings, all parsed: explicit ``{{0,1},{2,3}}``, iota
   ``[2,4]<=[8]`` / ``[2,2]<=[2,2]T(1,0)``, and the mesh form ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}``
   (optionally ``, device_ids=([2,4]T(1,0))`` and sub-axes ``'a':(2)4``). XLA's axis names there are its
@@ -45,32 +45,23 @@ __all__ = ["from_hlo_text", "from_compiled", "parse_collectives", "parse_replica
 
 #: HLO opcode -> canonical op. ``*-done`` and generic ``async-start``/``async-done`` are not listed:
 #: the op is counted at its start, or inside the async computation it wraps.
-HLO_OPS = {
-    "all-gather": "all_gather", "all-gather-start": "all_gather",
-    "reduce-scatter": "reduce_scatter",
-    "all-reduce": "all_reduce", "all-reduce-start": "all_reduce",
-    "collective-permute": "collective_permute", "collective-permute-start": "collective_permute",
-    "all-to-all": "all_to_all", "collective-broadcast": "broadcast",
-}
-_BITS = {"pred": 8, "token": 0, "c64": 64, "c128": 128, "bf16": 16}
-_NAMES = {"pred": "bool", "bf16": "bfloat16", "c64": "complex64", "c128": "complex128", "token": "token"}
+HLO_OPS = {"all-gather": "all_gather", "all-gather-start": "all_gather", "reduce-scatter": "reduce_scatter",
+           "all-reduce": "all_reduce", "all-reduce-start": "all_reduce", "all-to-all": "all_to_all",
+           "collective-permute": "collective_permute", "collective-permute-start": "collective_permute",
+           "collective-broadcast": "broadcast"}
+_SPECIAL = {"pred": (8, "bool"), "bf16": (16, "bfloat16"), "c64": (64, "complex64"),
+            "c128": (128, "complex128"), "token": (0, "token")}
 
 
-def _bits(dtype: str) -> int:
-    if dtype in _BITS:
-        return _BITS[dtype]
-    m = re.match(r"[suf](\d+)", dtype)
+def _element(dtype: str) -> tuple[int, str]:
+    """Bits and name of an HLO element type: ``f32`` -> (32, "float32"), ``f8e4m3fn`` -> (8, "float8_e4m3fn")."""
+    if dtype in _SPECIAL:
+        return _SPECIAL[dtype]
+    m = re.fullmatch(r"([suf])(\d+)(\w*)", dtype)
     if not m:
         raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(m.group(1))
-
-
-def _dtype_name(dtype: str) -> str:
-    if dtype in _NAMES:
-        return _NAMES[dtype]
-    m = re.match(r"([suf])(\d+)(.*)", dtype)
     kind = {"s": "int", "u": "uint", "f": "float"}[m.group(1)]
-    return f"{kind}{m.group(2)}" + (f"_{m.group(3)}" if m.group(3) else "")
+    return int(m.group(2)), kind + m.group(2) + (f"_{m.group(3)}" if m.group(3) else "")
 
 
 # -- shapes: f32[8,64]{1,0}, (f32[], bf16[2,3]{1,0}), nested tuples -----------------------------------
@@ -79,8 +70,7 @@ _LEAF = re.compile(r"(\w+)\[([^\]]*)\](?:\{[^}]*\})?")
 
 def _parse_shape(s: str, i: int = 0):
     """Parse a shape at ``s[i:]``: a leaf ``(dtype, dims)`` or a list of shapes. Returns (shape, end)."""
-    while s[i] == " ":
-        i += 1
+    i += len(s[i:]) - len(s[i:].lstrip(" "))
     if s[i] == "(":
         items, i = [], i + 1
         while True:
@@ -102,7 +92,7 @@ def _leaves(shape) -> list:
 
 
 def _nbytes(leaves) -> int:
-    return sum(math.ceil(math.prod(dims) * _bits(dt) / 8) for dt, dims in leaves)
+    return sum(math.ceil(math.prod(dims) * _element(dt)[0] / 8) for dt, dims in leaves)
 
 
 # -- replica groups --------------------------------------------------------------------------------
@@ -125,14 +115,12 @@ def _mesh_groups(m: re.Match) -> np.ndarray:
     decl = [p.split("=") for p in (m.group("a") or m.group("b")).split(",")]
     names = [n.strip().strip("'") for n, _ in decl]
     sizes = [int(v) for _, v in decl]
-    ids = m.group("ids")
-    if not ids:
-        grid = _iota(sizes)
-    elif ids.startswith("["):
+    ids = m.group("ids") or ""
+    if ids.startswith("["):  # an iota, as in the [G,S]<=[dims]T(perm) form
         dims, perm = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids).groups()
         grid = _iota(_ints(dims), _ints(perm) if perm else None).reshape(sizes)
     else:
-        grid = np.array(_ints(ids)).reshape(sizes)
+        grid = (np.array(_ints(ids)) if ids else np.arange(math.prod(sizes))).reshape(sizes)
     refs = []  # (axis index, pre-size, size): 'a' is (a, 1, |a|); 'a':(2)4 is the size-4 factor after 2
     for sel in filter(None, (t.strip() for t in m.group("sel").split(","))):
         name, pre, size = re.fullmatch(r"'?([^':()]+)'?(?::\((\d+)\)(\d+))?", sel).groups()
@@ -218,11 +206,10 @@ def parse_collectives(text: str, num_devices: int | None = None) -> list[HloColl
             shape, end = _parse_shape(rest)
         except (ValueError, IndexError):
             continue
-        opcode = re.match(r"\s*([\w-]+)\(", rest[end:])
-        opcode = opcode.group(1) if opcode else ""
-        if opcode == "while":
-            body, trips = re.search(r"body=%?([^\s,]+)", rest), re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-            loops.append((comp, body.group(1) if body else None, int(trips.group(1)) if trips else 1))
+        opcode = o.group(1) if (o := re.match(r"\s*([\w-]+)\(", rest[end:])) else ""
+        if opcode == "while" and (body := re.search(r"body=%?([^\s,]+)", rest)):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)  # unknown: counted once
+            loops.append((comp, body.group(1), int(trips.group(1)) if trips else 1))
         if opcode not in HLO_OPS:
             continue
         op, parts = HLO_OPS[opcode], shape if isinstance(shape, list) else [shape]
@@ -235,31 +222,26 @@ def parse_collectives(text: str, num_devices: int | None = None) -> list[HloColl
             groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", pairs.group(1)[1:-1]))
             size = len({d for g in groups for d in g})
         else:
-            rg = rest.find("replica_groups=")
-            groups = (parse_replica_groups(rest[rg + len("replica_groups="):], num_devices) if rg >= 0
-                      else parse_replica_groups("{}", num_devices))
+            rg = rest.find("replica_groups=")  # absent means {}: all devices
+            groups = parse_replica_groups(rest[rg + len("replica_groups="):] if rg >= 0 else "{}", num_devices)
             size = len(groups[0])
         nbytes = _nbytes(leaves) * (size if op == "reduce_scatter" else 1)
-        dtypes = ",".join(dict.fromkeys(_dtype_name(dt) for dt, _ in leaves))
-        channel = re.search(r"channel_id=(\d+)", rest)
-        op_name = re.search(r'op_name="([^"]*)"', rest)
+        dtypes = ",".join(dict.fromkeys(_element(dt)[1] for dt, _ in leaves))
         found.append(HloCollective(
             name=m.group("name"), opcode=opcode, op=op, nbytes=nbytes, dtype=dtypes, group_size=size,
-            groups=groups, channel_id=int(channel.group(1)) if channel else None,
+            groups=groups, channel_id=int(ch.group(1)) if (ch := re.search(r"channel_id=(\d+)", rest)) else None,
             use_global_device_ids="use_global_device_ids=true" in rest,
-            op_name=op_name.group(1) if op_name else None, computation=comp))
+            op_name=on.group(1) if (on := re.search(r'op_name="([^"]*)"', rest)) else None, computation=comp))
     # a while body runs trip_count times per run of the computation holding the while (nesting multiplies)
     mult: dict[str, int] = {}
     for _ in range(len(loops)):
         for parent, body, n in loops:
-            if body:
-                mult[body] = n * mult.get(parent, 1)
+            mult[body] = n * mult.get(parent, 1)
     return [dataclasses.replace(c, trip_count=mult.get(c.computation, 1)) for c in found]
 
 
 def _phase(op_name: str | None) -> str | None:
-    if not op_name:
-        return None
+    op_name = op_name or ""
     return "backward" if "transpose(" in op_name else ("forward" if "jvp(" in op_name else None)
 
 
@@ -308,12 +290,11 @@ def from_hlo_text(text: str, mesh=None, *, num_devices: int | None = None, devic
 def from_compiled(compiled, mesh=None) -> Ledger:
     """A ledger of ``jax.jit(f).lower(...).compile()``'s collectives (see :func:`from_hlo_text`)."""
     text = compiled.as_text()
-    device_ids = None
     try:  # the program's device assignment, so a mesh built in any device order is named right
         device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-    except Exception:  # multi-process or an older API: fall back to mesh order
-        pass
+    except Exception:  # another API: fall back to mesh order
+        device_ids = None
     header = re.search(r"num_partitions=(\d+)", text)
-    if device_ids is not None and header and len(device_ids) != int(header.group(1)):
-        device_ids = None  # only this process's devices: not the whole assignment
+    if device_ids and header and len(device_ids) != int(header.group(1)):
+        device_ids = None  # multi-process: only this process's devices, not the whole assignment
     return from_hlo_text(text, mesh, device_ids=device_ids)

@@ -212,51 +212,51 @@ def _flax() -> types.SimpleNamespace:
             self.n_heads = cfg.n_heads
             self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, rngs=rngs)
             self.proj = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs)
-            self.attn_drop, self.resid_drop = nnx.Dropout(cfg.dropout, rngs=rngs), nnx.Dropout(cfg.dropout, rngs=rngs)
+            self.attn_drop, self.resid_drop = nnx.Dropout(cfg.dropout), nnx.Dropout(cfg.dropout)
 
-        def __call__(self, x):
+        def __call__(self, x, rngs=None):
             B, T, C = x.shape  # batch, time, channels
             q, k, v = (t.reshape(B, T, self.n_heads, -1) for t in jnp.split(self.qkv(x), 3, axis=-1))  # [B, T, H, hd]
             att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(C // self.n_heads)  # [B, H, T, T], SDPA's scale
             att = jnp.where(jnp.tril(jnp.ones((T, T), dtype=bool)), att, -jnp.inf)    # causal: no peeking ahead
-            y = jnp.einsum("bhqk,bkhd->bqhd", self.attn_drop(jax.nn.softmax(att, axis=-1)), v)  # [B, T, H, hd]
-            return self.resid_drop(self.proj(y.reshape(B, T, C)))
+            y = jnp.einsum("bhqk,bkhd->bqhd", self.attn_drop(jax.nn.softmax(att, axis=-1), rngs=rngs), v)
+            return self.resid_drop(self.proj(y.reshape(B, T, C)), rngs=rngs)  # y was [B, T, H, hd]
 
     class FlaxMLP(nnx.Module):
         def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
             self.fc = nnx.Linear(cfg.d_model, cfg.d_ff, rngs=rngs)
             self.proj = nnx.Linear(cfg.d_ff, cfg.d_model, rngs=rngs)
-            self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+            self.drop = nnx.Dropout(cfg.dropout)
 
-        def __call__(self, x):
-            return self.drop(self.proj(jax.nn.gelu(self.fc(x), approximate=False)))  # exact, like nn.GELU()
+        def __call__(self, x, rngs=None):
+            return self.drop(self.proj(jax.nn.gelu(self.fc(x), approximate=False)), rngs=rngs)  # exact, like F.gelu
 
     class FlaxBlock(nnx.Module):
         def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
             self.ln1, self.attn = layer_norm(cfg, rngs), FlaxAttention(cfg, rngs=rngs)
             self.ln2, self.mlp = layer_norm(cfg, rngs), FlaxMLP(cfg, rngs=rngs)
 
-        def __call__(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
+        def __call__(self, x, rngs=None):
+            x = x + self.attn(self.ln1(x), rngs)
+            return x + self.mlp(self.ln2(x), rngs)
 
     class FlaxGPT(nnx.Module):
         def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
             self.cfg = cfg
             self.tok_emb = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
             self.pos_emb = nnx.Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
-            self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
+            self.drop = nnx.Dropout(cfg.dropout)  # no stored RNG: the model's state is its parameters alone
             self.blocks = nnx.List([FlaxBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
             self.ln_f = layer_norm(cfg, rngs)
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-        def __call__(self, idx):
+        def __call__(self, idx, rngs: nnx.Rngs | None = None):  # rngs: only for dropout > 0 in train mode
             B, T = idx.shape  # batch, time
             if T > self.cfg.seq_len:
                 raise ValueError(f"sequence length T({T}) > cfg.seq_len({self.cfg.seq_len}); crop idx or raise seq_len")
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(jnp.arange(T)))  # [B, T, C]
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(jnp.arange(T)), rngs=rngs)  # [B, T, C]
             for block in self.blocks:
-                x = block(x)
+                x = block(x, rngs)
             return self.head(self.ln_f(x))  # [B, T, V]
 
     classes = (FlaxAttention, FlaxMLP, FlaxBlock, FlaxGPT)
@@ -301,9 +301,13 @@ def flax_load_(model, weights: dict[str, np.ndarray]):
 
 
 def flax_gpt(cfg: GPTConfig = GPTConfig(), seed: int = 0):
-    """A ``FlaxGPT`` holding ``init_weights(cfg, seed)`` (``seed`` also seeds the dropout stream)."""
+    """A ``FlaxGPT`` holding ``init_weights(cfg, seed)``.
+
+    Built with ``nnx.eval_shape``, JAX's meta device: Flax's own random init is traced for shapes but
+    never run (it would compile a program per shape, seconds on CPU), then every parameter is filled.
+    """
     fx = _flax()
-    return flax_load_(fx.FlaxGPT(cfg, rngs=fx.nnx.Rngs(seed)), init_weights(cfg, seed))
+    return flax_load_(fx.nnx.eval_shape(lambda: fx.FlaxGPT(cfg, rngs=fx.nnx.Rngs(seed))), init_weights(cfg, seed))
 
 
 def flax_to_numpy_weights(model) -> dict[str, np.ndarray]:

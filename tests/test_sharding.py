@@ -1,9 +1,15 @@
 """Sharding maths: padding, shard bounds, flat (FSDP1) and dim-0 (FSDP2) layouts, on awkward sizes."""
+import doctest
 import math
 
 import pytest
 
+from course_lib import sharding
 from course_lib.sharding import dim0_layout, flat_layout, padded_size, shard_bounds
+
+
+def test_docstrings_run():
+    assert doctest.testmod(sharding).failed == 0
 
 
 @pytest.mark.parametrize("n, world, expected", [

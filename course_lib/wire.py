@@ -1,0 +1,287 @@
+"""What actually crosses the wire, and how long it takes: loopback byte counters and the α-β sweep.
+
+:mod:`course_lib.costs` says what a collective *should* send (the ring formula, the algorithm's
+floor). This module measures what an implementation *does* send, where the machine lets us see it:
+
+* **loopback counters** -- on Linux, gloo ranks on one machine talk TCP over the loopback interface
+  ``lo``, and ``/proc/net/dev`` counts every byte it carries. One reading covers the whole machine, so
+  a difference around one collective is the bytes sent by *all* ranks together (``N`` × the per-rank
+  formula) -- plus TCP/IP headers, plus whatever other processes sent at the same moment. Hence the
+  protocol of :func:`measure_on_rank`: read, barrier, op, barrier, read; subtract a baseline measured
+  the same way around no op (the two barriers' own bytes); repeat and take the median.
+* **timings** -- :func:`measure_on_rank` also times the op on every rank; :func:`time_collectives`
+  sweeps sizes × ops, and :func:`calibrate_alpha_beta` fits ``t = α + β · wire_bytes``
+  (:func:`course_lib.costs.fit_alpha_beta`) for Lab 08 to predict step times with.
+
+Sizes are payloads ``V`` in the ledger's convention (all-gather: the gathered output; reduce-scatter:
+the full input; all-reduce and broadcast: the tensor), float32, a multiple of ``4 · N`` bytes.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .costs import AlphaBeta, fit_alpha_beta, wire_bytes
+
+__all__ = [
+    "loopback_counters", "loopback_bytes", "loopback_available", "parse_net_dev", "TCP_HEADER_BYTES",
+    "OPS", "DEFAULT_SIZES", "measure_on_rank", "measure_wire", "WireMeasurement",
+    "time_collectives", "Sweep", "calibrate_alpha_beta", "Calibration",
+]
+
+NET_DEV = Path("/proc/net/dev")
+#: Bytes of headers per packet on ``lo`` as /proc/net/dev counts them: Ethernet 14 + IPv4 20 +
+#: TCP 20 + the timestamp option 12 (Linux's default). A pure ACK is exactly this; a data segment
+#: carries it in front of up to ~64 KiB of payload (lo's MTU is 65536).
+TCP_HEADER_BYTES = 66
+OPS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter")
+KiB, MiB = 1024, 1024 * 1024
+#: 4 KiB .. 4 MiB, ×4 apart: from latency-bound to bandwidth-bound on loopback.
+DEFAULT_SIZES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+
+
+# -- the counters ------------------------------------------------------------------------------------
+def parse_net_dev(text: str, interface: str = "lo") -> tuple[int, int]:
+    """``(tx_bytes, tx_packets)`` of ``interface`` from the text of ``/proc/net/dev``.
+
+    On ``lo`` every byte sent is also received, so TX alone counts each byte once.
+    """
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        if sep and name.strip() == interface:
+            cols = rest.split()  # rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes packets ...
+            if len(cols) < 10:
+                raise ValueError(f"/proc/net/dev line for {interface!r} has {len(cols)} columns, expected 16")
+            return int(cols[8]), int(cols[9])
+    raise ValueError(f"no interface {interface!r} in /proc/net/dev (interfaces: "
+                     f"{[ln.split(':')[0].strip() for ln in text.splitlines() if ':' in ln]})")
+
+
+def loopback_counters(interface: str = "lo") -> tuple[int, int]:
+    """``(bytes, packets)`` sent so far on the loopback interface, machine-wide (Linux only)."""
+    return parse_net_dev(NET_DEV.read_text(), interface)
+
+
+def loopback_bytes(interface: str = "lo") -> int:
+    """Bytes sent so far on the loopback interface, by every process on the machine (Linux only)."""
+    return loopback_counters(interface)[0]
+
+
+def loopback_available() -> bool:
+    """True where :func:`loopback_bytes` works (Linux with ``/proc/net/dev`` listing ``lo``)."""
+    try:
+        loopback_counters()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+# -- one collective, on every rank -------------------------------------------------------------------
+def _issuer(op: str, nbytes: int):
+    """A zero-argument function issuing ``op`` on payload ``nbytes`` (float32), buffers preallocated."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    if op not in OPS:
+        raise ValueError(f"op={op!r}; expected one of {OPS}")
+    if nbytes <= 0 or nbytes % (4 * n):
+        raise ValueError(f"nbytes={nbytes} must be a positive multiple of 4 * N = {4 * n} "
+                         f"(float32 elements, split evenly over N={n} ranks)")
+    numel = nbytes // 4
+    # torch 2.13 renamed the tensor forms (all_gather_single); older torch has only the old names.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    full, shard = torch.zeros(numel), torch.zeros(numel // n)  # zeros: repeated sums stay finite
+    return {
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: gather(full, shard),
+        "reduce_scatter": lambda: scatter(shard, full),
+    }[op]
+
+
+def measure_on_rank(op: str, nbytes: int, repeats: int = 5, iters: int = 1, count_wire: bool = True) -> dict:
+    """Run inside ``course_lib.run``: time ``op`` on payload ``nbytes`` and (rank 0) count lo's bytes.
+
+    Per repeat, twice -- once around nothing (the *baseline*), once around ``iters`` back-to-back ops::
+
+        rank 0 reads lo  ->  barrier  ->  [op × iters, timed on every rank]  ->  barrier  ->  rank 0 reads lo
+
+    The barriers make the window hold every rank's op and nothing of the next step; their own bytes
+    are in the baseline too. Returns ``{"seconds": [per-op seconds per repeat], "bytes": [...],
+    "packets": [...], "base_bytes": [...], "base_packets": [...]}`` (counters on rank 0 only, else
+    empty). The barriers are not recorded in the ledger; the ops are.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    from . import ledger_torch as lt
+
+    issue = _issuer(op, nbytes)
+    rank = dist.get_rank()
+    reading = count_wire and rank == 0
+    out = {k: [] for k in ("seconds", "bytes", "packets", "base_bytes", "base_packets")}
+    issue()  # warm-up: first use of a buffer size allocates; not measured
+    for _ in range(repeats):
+        for kind in ("base", "op"):
+            c0 = loopback_counters() if reading else (0, 0)
+            with lt.paused():
+                dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters if kind == "op" else 0):
+                issue()
+            t1 = time.perf_counter()
+            with lt.paused():
+                dist.barrier()
+            c1 = loopback_counters() if reading else (0, 0)
+            prefix = "base_" if kind == "base" else ""
+            if kind == "op":
+                out["seconds"].append((t1 - t0) / iters)
+            if reading:
+                out[prefix + "bytes"].append((c1[0] - c0[0]) / iters)
+                out[prefix + "packets"].append((c1[1] - c0[1]) / iters)
+    return out
+
+
+@dataclass(frozen=True)
+class WireMeasurement:
+    """One collective on loopback: bytes counted on ``lo`` (all ranks together) vs the ring formula."""
+
+    op: str
+    nbytes: int              #: payload V per rank
+    world_size: int
+    measured_bytes: float    #: median over repeats of lo's TX bytes, baseline (barriers) subtracted
+    packets: float           #: the same for packets
+    seconds: float           #: median over repeats of the slowest rank's time for one op
+
+    @property
+    def formula_bytes(self) -> float:
+        """Ring formula summed over ranks: ``N · costs.wire_bytes(op, V, N)``."""
+        return self.world_size * wire_bytes(self.op, self.nbytes, self.world_size)
+
+    @property
+    def header_bytes(self) -> float:
+        """TCP/IP/Ethernet headers in ``measured_bytes``: ``packets · TCP_HEADER_BYTES``."""
+        return self.packets * TCP_HEADER_BYTES
+
+    @property
+    def ratio(self) -> float:
+        """measured / formula: 1.0 means the implementation sends what the ring algorithm sends."""
+        return self.measured_bytes / self.formula_bytes
+
+    @property
+    def ratio_without_headers(self) -> float:
+        return (self.measured_bytes - self.header_bytes) / self.formula_bytes
+
+
+def _median_net(values, base) -> float:
+    return statistics.median(values) - statistics.median(base)
+
+
+def _measure_many(ops, nbytes, repeats, iters, count_wire) -> list[dict]:
+    """Rank side of :func:`measure_wire`: every op in one launched call."""
+    return [measure_on_rank(op, nbytes, repeats, iters, count_wire) for op in ops]
+
+
+def measure_wire(ops=OPS, nbytes: int = 4 * MiB, world_size: int = 4, repeats: int = 5) -> list[WireMeasurement]:
+    """Measure each op in ``ops`` once per repeat on ``world_size`` gloo ranks; medians over repeats.
+
+    Other processes' loopback traffic during a window adds to it: the median over ``repeats`` windows
+    keeps one noisy window from mattering. Raises ``RuntimeError`` where loopback cannot be read, or
+    when the ranks do not talk over it (NCCL on GPUs).
+    """
+    from .launch import run
+
+    if not loopback_available():
+        raise RuntimeError("loopback byte counters need Linux's /proc/net/dev with an 'lo' interface; "
+                           "on this machine only the formula (course_lib.costs.wire_bytes) is available")
+    ops = (ops,) if isinstance(ops, str) else tuple(ops)
+    result = run(_measure_many, ops, nbytes, repeats, 1, True, world_size=world_size)
+    if result.backend != "gloo":
+        raise RuntimeError(f"backend {result.backend!r} does not send over loopback; measure with gloo")
+    out = []
+    for i, op in enumerate(ops):
+        r0 = result[0][i]
+        slowest = [max(result[r][i]["seconds"][k] for r in range(world_size)) for k in range(repeats)]
+        out.append(WireMeasurement(op, nbytes, world_size,
+                                   measured_bytes=_median_net(r0["bytes"], r0["base_bytes"]),
+                                   packets=_median_net(r0["packets"], r0["base_packets"]),
+                                   seconds=statistics.median(slowest)))
+    return out
+
+
+# -- the α-β sweep -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sweep:
+    """Seconds per op (slowest rank, median over repeats) for every size, per op."""
+
+    world_size: int
+    sizes: tuple[int, ...]                  #: payloads V in bytes
+    seconds: dict = field(default_factory=dict)   #: op -> tuple of seconds, one per size
+
+    def wire(self, op: str) -> list[float]:
+        """Per-rank ring wire bytes of ``op`` at every size (the x of an α-β fit)."""
+        return [wire_bytes(op, v, self.world_size) for v in self.sizes]
+
+    def fit(self, op: str) -> AlphaBeta:
+        """``t = α + β · wire_bytes`` fitted to this op's points."""
+        return fit_alpha_beta(self.wire(op), self.seconds[op])
+
+
+def _iters_for(nbytes: int) -> int:
+    """Back-to-back ops per timed window: many for tiny messages (µs each), one for MiBs."""
+    return max(1, min(16, (256 * KiB) // nbytes))
+
+
+def _sweep_on_rank(ops, sizes, repeats) -> dict:
+    return {(op, v): measure_on_rank(op, v, repeats, _iters_for(v), count_wire=False)["seconds"]
+            for op in ops for v in sizes}
+
+
+def time_collectives(sizes=DEFAULT_SIZES, ops=("all_reduce", "all_gather", "reduce_scatter"),
+                     world_size: int = 4, repeats: int = 3, backend: str | None = None) -> Sweep:
+    """Time every op at every size on ``world_size`` ranks in one launched call; see :class:`Sweep`."""
+    from .launch import run
+
+    ops, sizes = tuple(ops), tuple(int(v) for v in sizes)
+    result = run(_sweep_on_rank, ops, sizes, repeats, world_size=world_size, backend=backend, timeout=120)
+    seconds = {}
+    for op in ops:
+        per_size = []
+        for v in sizes:
+            slowest = [max(result[r][(op, v)][k] for r in range(world_size)) for k in range(repeats)]
+            per_size.append(statistics.median(slowest))
+        seconds[op] = tuple(per_size)
+    return Sweep(world_size, sizes, seconds)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """An α-β model of one op on this machine, and the sweep it was fitted to."""
+
+    op: str
+    world_size: int
+    backend: str
+    alpha_beta: AlphaBeta
+    sweep: Sweep
+
+    def predict(self, nbytes: float, op: str | None = None) -> float:
+        """Seconds for one ``op`` (default: the calibrated one) of payload ``nbytes`` on these ranks."""
+        return self.alpha_beta.predict(op or self.op, nbytes, self.world_size)
+
+
+def calibrate_alpha_beta(world_size: int = 4, sizes=DEFAULT_SIZES, op: str = "all_reduce",
+                         repeats: int = 3, backend: str | None = None) -> Calibration:
+    """Fit ``t = α + β · wire_bytes`` for ``op`` on ``world_size`` ranks of this machine.
+
+    Lab 00 calls it and plots the fit; Lab 08 calls it again to predict step times
+    (``calibration.alpha_beta.step_seconds(costs.step_cost(...))``). Timings are this machine's, at
+    this moment: on a shared 2-core laptop they wobble by tens of percent.
+    """
+    from .runtime import choose_backend
+
+    sweep = time_collectives(sizes, (op,), world_size, repeats, backend)
+    return Calibration(op, world_size, choose_backend(world_size, prefer=backend).name, sweep.fit(op), sweep)

@@ -1,0 +1,184 @@
+"""Exercise checks: right answers pass, plausible wrong answers get the specific feedback."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.checks import (
+    CheckFailed, assert_close, averaged_twice, check, not_updated, parity_check, skipped_collective,
+    summed_not_averaged, wrong_shard_offset,
+)
+
+N = 4
+EXPECTED = np.arange(1, 17, dtype=np.float32).reshape(N, 4)   # 4 shards of one row each
+
+
+class FakeRankError(RuntimeError):
+    """Shaped like course_lib.launch.RankError (duck-typed by checks)."""
+
+    def __init__(self, rank, exc_type, traceback_text):
+        self.rank, self.exc_type, self.traceback_text = rank, exc_type, traceback_text
+        super().__init__(f"rank {rank} raised {exc_type}")
+
+
+def failure(got, expected=EXPECTED, **kw) -> str:
+    kw.setdefault("rtol", 1e-5)
+    kw.setdefault("atol", 1e-6)
+    with pytest.raises(CheckFailed) as info:
+        assert_close("grads", got, expected, **kw)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------- assert_close
+@pytest.mark.parametrize("got", [
+    EXPECTED.copy(), torch.tensor(EXPECTED), jnp.asarray(EXPECTED), EXPECTED.tolist(),
+    EXPECTED + 1e-7,
+])
+def test_assert_close_accepts_right_answers_in_any_framework(got, capsys):
+    assert assert_close("grads", got, EXPECTED, rtol=1e-5, atol=1e-6) is True
+    assert capsys.readouterr().out.startswith("✅ grads: 16 elements match")
+
+
+def test_assert_close_reports_rank_worst_element_errors_and_dtype():
+    got = EXPECTED.copy()
+    got[2, 3] += 0.5
+    msg = failure(got, rank=2)
+    assert msg.startswith("❌ grads (rank 2): 1 of 16 element(s) differ beyond rtol=1e-05, atol=1e-06")
+    assert "worst at index [2, 3]: expected 12, got 12.5 (abs err 0.5" in msg
+    assert "max abs err 0.5" in msg and "dtype got float32, expected float32" in msg
+
+
+def test_assert_close_shape_mismatch_recognises_a_local_shard_and_padding():
+    assert "shape mismatch: got (1, 4), expected (4, 4)" in failure(EXPECTED[:1])
+    assert "1/4 of the elements → looks like one rank's shard" in failure(EXPECTED[:1])
+    padded = np.concatenate([EXPECTED.ravel(), np.zeros(3, np.float32)])
+    assert "3 extra trailing element(s) → strip the padding" in failure(padded, EXPECTED.ravel())
+
+
+def test_summed_instead_of_averaged():
+    msg = failure(EXPECTED * N, hint=summed_not_averaged(N))
+    assert "got is 4× expected → you summed instead of averaging (forgot ÷4)" in msg
+    msg = failure(EXPECTED / N, hint=[summed_not_averaged(N), averaged_twice(N)])
+    assert "you averaged twice" in msg
+
+
+def test_skipped_collective_names_the_rank():
+    local = [EXPECTED * 0 + r for r in range(N)]          # rank r holds all r; the mean is 1.5
+    expected = np.full_like(EXPECTED, 1.5)
+    msg = failure(local[3], expected, rank=3, hint=skipped_collective(local))
+    assert "got equals rank 3's local value → the collective was skipped" in msg
+
+
+def test_wrong_shard_offset_shift_permutation_and_rank_ignored():
+    detector = wrong_shard_offset(N)
+    assert "shifted by 1 shard(s): shard r holds expected's shard r-1" in failure(np.roll(EXPECTED, 1, 0), hint=detector)
+    perm = EXPECTED[[1, 0, 2, 3]]
+    assert "shards come in the order [1, 0, 2, 3]" in failure(perm, hint=detector)
+    same = np.tile(EXPECTED[:1], (N, 1))
+    assert "every shard holds shard 0 → the offset ignores the rank" in failure(same, hint=detector)
+
+
+def test_generic_detectors_and_static_hints():
+    assert "all zeros → the output buffer was never filled" in failure(np.zeros_like(EXPECTED))
+    assert "a sign flip" in failure(-EXPECTED)
+    assert "got has NaN/inf" in failure(EXPECTED * np.nan)
+    before = EXPECTED - 1
+    assert "the update was not applied" in failure(before, hint=not_updated(before))
+    assert "\n   hint: check the learning rate" in failure(EXPECTED * 3, hint="check the learning rate")
+
+
+def test_pytrees_by_key_and_index():
+    expected = {"w": EXPECTED, "b": [np.ones(2), 3.0]}
+    assert assert_close("params", {"w": torch.tensor(EXPECTED), "b": [np.ones(2), 3.0]}, expected,
+                        rtol=0, atol=0)
+    msg = failure({"w": EXPECTED, "c": [np.ones(2), 3.0]}, expected)
+    assert "keys differ; missing ['b'], unexpected ['c']" in msg
+    msg = failure({"w": EXPECTED, "b": [np.ones(2), 4.0]}, expected)
+    assert msg.startswith("❌ grads['b'][1]: 1 of 1 element(s) differ") and "expected 3, got 4" in msg
+    assert "got 1 item(s), expected 2" in failure({"w": EXPECTED, "b": [np.ones(2)]}, expected)
+
+
+def test_bf16_values_and_dtype_check():
+    bf16 = torch.tensor(EXPECTED, dtype=torch.bfloat16)
+    assert parity_check("bf16 logits", bf16, EXPECTED, kind="bf16")
+    assert parity_check("jax bf16", jnp.asarray(EXPECTED, dtype=jnp.bfloat16), EXPECTED, kind="bf16")
+    msg = failure(bf16, check_dtype=True)
+    assert "dtype mismatch: got bfloat16, expected float32" in msg
+
+
+# --------------------------------------------------------------------------------- parity_check
+def test_parity_check_uses_the_documented_tolerances():
+    assert set(checks.TOLERANCES) >= {"fp32", "cross_framework", "bf16", "exact"}
+    ref = np.float32(1.0)
+    assert parity_check("loss", ref * (1 + 5e-6), ref)                                  # fp32 ok
+    with pytest.raises(CheckFailed, match="rtol=1e-05"):
+        parity_check("loss", ref * (1 + 5e-5), ref)                                     # fp32 too far
+    assert parity_check("loss", ref * (1 + 5e-5), ref, kind="cross_framework")
+    with pytest.raises(ValueError, match="kind='fp16'"):
+        parity_check("loss", ref, ref, kind="fp16")
+
+
+# ------------------------------------------------------------------------------------- check()
+def test_check_passes_with_detail(capsys):
+    with check("all-reduce") as c:
+        assert_close("sum", [10.0, 10.0], [10.0, 10.0], rtol=0, atol=0)
+    assert c.passed is True
+    assert capsys.readouterr().out == "✅ all-reduce: 2 elements match, max abs err 0 (rtol=0, atol=0)\n"
+
+    @check("ring cost")
+    def passed():
+        return "768 bytes per rank"
+    assert passed is True and capsys.readouterr().out == "✅ ring cost: 768 bytes per rank\n"
+
+
+def test_not_implemented_is_reported_not_raised(capsys):
+    with check("average") as c:
+        raise NotImplementedError("Exercise not done yet: divide by the world size")
+    assert c.passed is False
+    assert capsys.readouterr().out == "⏳ average: not implemented yet — divide by the world size\n"
+
+    @check("bare", todo="write bare() above")
+    def result():
+        raise NotImplementedError
+    assert result is False and "⏳ bare: not implemented yet — write bare() above" in capsys.readouterr().out
+
+
+def test_not_implemented_on_a_rank_duck_typed(capsys):
+    tb = ('Traceback (most recent call last):\n  File "<cell>", line 3, in step\n'
+          'NotImplementedError: Exercise not done yet: reduce-scatter the grads\n')
+    with check("fsdp step") as c:
+        raise FakeRankError(2, "NotImplementedError", tb)
+    assert c.passed is False
+    assert capsys.readouterr().out == ("⏳ fsdp step: not implemented yet — reduce-scatter the grads "
+                                       "(on rank 2)\n")
+    with check("wrapped"):                         # found through the exception chain too
+        try:
+            raise FakeRankError(0, "NotImplementedError", "NotImplementedError\n")
+        except FakeRankError as exc:
+            raise RuntimeError("launch failed") from exc
+    assert "⏳ wrapped: not implemented yet — fill in the code" in capsys.readouterr().out
+
+
+def test_wrong_answers_raise_check_failed_with_the_check_name():
+    with pytest.raises(CheckFailed, match=r"^❌ average: grads: 16 of 16 element"):
+        with check("average"):
+            assert_close("grads", EXPECTED * 2, EXPECTED, rtol=0, atol=0)
+    with pytest.raises(CheckFailed, match=r"^❌ shapes: expected \(4, 4\)"):
+        with check("shapes"):
+            assert EXPECTED.shape == (3, 4), "expected (4, 4)"
+    tb = "Traceback...\ncourse_lib.checks.CheckFailed: ❌ grads (rank 1): 3 of 16 differ\n   worst at [0]"
+    with pytest.raises(CheckFailed, match=r"^❌ dp: on rank 1: grads \(rank 1\): 3 of 16 differ\n   worst"):
+        with check("dp"):
+            raise FakeRankError(1, "CheckFailed", tb)
+
+
+def test_other_errors_propagate_unchanged():
+    with pytest.raises(TypeError, match="learner bug"):
+        with check("average"):
+            raise TypeError("learner bug")
+    with pytest.raises(FakeRankError):
+        with check("average"):
+            raise FakeRankError(0, "ValueError", "ValueError: bad\n")
