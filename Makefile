@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # JupyterLab on labs/, reachable from this machine only; token authentication stays on.
+# Containers often run as root, which Jupyter refuses without --allow-root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
-	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1
+	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1 $(ALLOW_ROOT)
 
 system-deps:
 	bash scripts/system-deps.sh

@@ -50,7 +50,8 @@ def cmd_validate(args) -> int:
     from course_lib import authoring
     paths = sorted(Path(args.dir).glob("*.ipynb"))
     problems = [p for path in paths for p in authoring.validate_notebook(path)]
-    print(*problems, sep="\n") if problems else None
+    for problem in problems:
+        print(problem)
     print(f"{len(paths)} notebook(s) checked, {len(problems)} problem(s)")
     return 1 if problems else 0
 
@@ -113,8 +114,8 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     root = _root()
-    p = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m course_lib",
+                                description="The course's command line: authoring, instructor runs, diagnosis.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("make-labs", help="derive labs/ from solutions/")

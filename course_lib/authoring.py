@@ -125,8 +125,8 @@ def make_lab(nb: nbformat.NotebookNode, where: str = "<notebook>") -> nbformat.N
     lab.nbformat_minor = max(int(lab.get("nbformat_minor", 5)), 5)   # 4.5+: cells carry ids
     problems: list[str] = []
     for i, cell in enumerate(lab.cells):
-        if "id" not in cell:   # deterministic, so a re-run is byte-identical
-            cell["id"] = hashlib.sha1(f"{where}:{i}".encode()).hexdigest()[:8]
+        if "id" not in cell:   # from the file name and index: byte-identical from any folder
+            cell["id"] = hashlib.sha1(f"{Path(where).name}:{i}".encode()).hexdigest()[:8]
         for key in _DROP_CELL_METADATA:
             cell.metadata.pop(key, None)
         if cell.cell_type == "code":

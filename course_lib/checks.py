@@ -82,7 +82,9 @@ def not_implemented_todo(exc: BaseException) -> str | None:
             if msg.startswith(_STUB_PREFIX):
                 return msg[len(_STUB_PREFIX):].strip() + where
             return DEFAULT_TODO + where + (f" [NotImplementedError: {msg}]" if msg else "")
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+        # Explicit causes and grouped errors only: an error raised while *handling* a
+        # NotImplementedError (its __context__) is a real error, not an unfinished exercise.
+        todo += [e.__cause__, *getattr(e, "exceptions", ())]
     return None
 
 

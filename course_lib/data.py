@@ -102,10 +102,11 @@ class TokenTask:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank({rank}) must be in [0, world_size({world_size})) and world_size >= 1")
         if batch_size % world_size:
-            lo, hi = batch_size // world_size * world_size, -(-batch_size // world_size) * world_size
+            nearest = sorted({n for n in (batch_size // world_size * world_size, -(-batch_size // world_size) * world_size) if n})
             raise ValueError(
                 f"batch_size({batch_size}) % world_size({world_size}) = {batch_size % world_size}: ranks need equal "
-                f"slices for their mean losses to average to the global mean; use batch_size {lo or hi} or {hi}")
+                f"slices for their mean losses to average to the global mean; use batch_size "
+                + " or ".join(map(str, nearest)))
         x, y = self.global_batch(step, batch_size)
         per_rank = batch_size // world_size
         rows = slice(rank * per_rank, (rank + 1) * per_rank)

@@ -71,9 +71,15 @@ def param_count(cfg: GPTConfig) -> int:
 
 
 def weight_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Torch ``state_dict`` name -> shape, in order, read off a model on the meta device (no memory)."""
-    with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in TorchGPT(cfg).state_dict().items()}
+    """Torch ``state_dict`` name -> shape, in ``state_dict`` order (the tests hold it to the torch model)."""
+    V, T, C, F_ = cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.d_ff
+    per_block = {"ln1": (C,), "attn.qkv": (3 * C, C), "attn.proj": (C, C),  # weights, torch [out, in];
+                 "ln2": (C,), "mlp.fc": (F_, C), "mlp.proj": (C, F_)}       # each has a bias [out] too
+    shapes = {"tok_emb.weight": (V, C), "pos_emb.weight": (T, C)}
+    for i in range(cfg.n_layers):
+        for layer, shape in per_block.items():
+            shapes[f"blocks.{i}.{layer}.weight"], shapes[f"blocks.{i}.{layer}.bias"] = shape, shape[:1]
+    return {**shapes, "ln_f.weight": (C,), "ln_f.bias": (C,), "head.weight": (V, C)}
 
 
 def init_weights(cfg: GPTConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -138,8 +144,10 @@ class Block(nn.Module):
 class TorchGPT(nn.Module):
     """The GPT in torch, from standard layers only, so every submodule has a ``reset_parameters()``.
 
-    Meta-device build: ``with torch.device("meta"): m = TorchGPT(cfg)``, then ``m.to_empty(device=d)``
-    and ``torch_init_(m, cfg, seed)`` give exactly ``torch_gpt(cfg, seed)``'s numbers.
+    Meta-device build: ``with torch.device("meta"): m = TorchGPT(cfg)``, ``m.to_empty(device=d)``, then
+    ``m.reset_parameters(seed)`` (= ``torch_init_(m, cfg, seed)``) gives exactly ``torch_gpt(cfg, seed)``.
+    Careful: ``for x in m.modules(): x.reset_parameters()`` visits the root first, then the layers
+    overwrite it with nn's own random init; ``m.apply(...)`` visits the root last and is fine.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -151,6 +159,9 @@ class TorchGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=LN_EPS)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from tok_emb: one owner per tensor
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        torch_init_(self, self.cfg, seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape  # batch, time
@@ -315,5 +326,6 @@ def flax_to_numpy_weights(model) -> dict[str, np.ndarray]:
     out = {}
     for name in weight_shapes(model.cfg):
         param, transposed = _flax_param(model, name)
-        out[name] = np.array(param.get_value().T if transposed else param.get_value(), dtype=np.float32)
+        w = np.array(param.get_value(), dtype=np.float32)  # to host first: a .T in JAX would compile a program
+        out[name] = np.ascontiguousarray(w.T) if transposed else w
     return out

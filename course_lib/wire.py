@@ -8,7 +8,7 @@ floor). This module measures what an implementation *does* send, where the machi
   a difference around one collective is the bytes sent by *all* ranks together (``N`` × the per-rank
   formula) -- plus TCP/IP headers, plus whatever other processes sent at the same moment. Hence the
   protocol of :func:`measure_on_rank`: read, barrier, op, barrier, read; subtract a baseline measured
-  the same way around no op (the two barriers' own bytes); repeat and take the median.
+  the same way around no op (the two barriers' own bytes); repeat, and keep the cleanest window.
 * **timings** -- :func:`measure_on_rank` also times the op on every rank; :func:`time_collectives`
   sweeps sizes × ops, and :func:`calibrate_alpha_beta` fits ``t = α + β · wire_bytes``
   (:func:`course_lib.costs.fit_alpha_beta`) for Lab 08 to predict step times with.
@@ -78,8 +78,8 @@ def loopback_available() -> bool:
 
 
 # -- one collective, on every rank -------------------------------------------------------------------
-def _issuer(op: str, nbytes: int):
-    """A zero-argument function issuing ``op`` on payload ``nbytes`` (float32), buffers preallocated."""
+def _issuer(op: str, nbytes: int, device: str = "cpu"):
+    """A zero-argument function issuing ``op`` on payload ``nbytes`` (float32) of buffers on ``device``."""
     import torch
     import torch.distributed as dist
 
@@ -93,7 +93,8 @@ def _issuer(op: str, nbytes: int):
     # torch 2.13 renamed the tensor forms (all_gather_single); older torch has only the old names.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    full, shard = torch.zeros(numel), torch.zeros(numel // n)  # zeros: repeated sums stay finite
+    # zeros: repeated sums stay finite
+    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // n, device=device)
     return {
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_reduce": lambda: dist.all_reduce(full),
@@ -102,48 +103,65 @@ def _issuer(op: str, nbytes: int):
     }[op]
 
 
-def measure_on_rank(op: str, nbytes: int, repeats: int = 5, iters: int = 1, count_wire: bool = True) -> dict:
+def measure_on_rank(op, nbytes: int, repeats: int = 5, iters: int = 1, count_wire: bool = True,
+                    device: str | None = None) -> dict:
     """Run inside ``course_lib.run``: time ``op`` on payload ``nbytes`` and (rank 0) count lo's bytes.
 
     Per repeat, twice -- once around nothing (the *baseline*), once around ``iters`` back-to-back ops::
 
-        rank 0 reads lo  ->  barrier  ->  [op × iters, timed on every rank]  ->  barrier  ->  rank 0 reads lo
+        rank 0 reads lo -> barrier -> [op × iters, timed on every rank] -> barrier -> rank 0 reads lo
 
-    The barriers make the window hold every rank's op and nothing of the next step; their own bytes
-    are in the baseline too. Returns ``{"seconds": [per-op seconds per repeat], "bytes": [...],
-    "packets": [...], "base_bytes": [...], "base_packets": [...]}`` (counters on rank 0 only, else
-    empty). The barriers are not recorded in the ledger; the ops are.
+    The barriers make the window hold every rank's op and nothing else of ours; their own bytes are in
+    the baseline too (skipped when ``count_wire`` is False: timing only). ``op`` may be a tuple of ops:
+    they are then interleaved (op A, op B, ..., op A, ...), so that a burst of someone else's traffic
+    spoils one window of each op rather than every window of one.
+
+    ``device``: where the buffers live; default the rank's own (``"cpu"`` under gloo, ``"cuda:<i>"``
+    under NCCL, where the time includes a ``cuda.synchronize``). CPU tensors always go through gloo,
+    even in an NCCL run -- that is what :func:`measure_wire` counts.
+
+    Returns ``{"seconds": [per-op seconds, one per repeat], "bytes": [...], "packets": [...],
+    "base_bytes": [...], "base_packets": [...]}`` (counters on rank 0 only, else empty), or for a tuple
+    of ops ``{op: that dict}``. The barriers are not recorded in the ledger; the ops are.
     """
     import time
 
+    import torch
     import torch.distributed as dist
 
     from . import ledger_torch as lt
+    from .launch import rank_info
 
-    issue = _issuer(op, nbytes)
-    rank = dist.get_rank()
-    reading = count_wire and rank == 0
-    out = {k: [] for k in ("seconds", "bytes", "packets", "base_bytes", "base_packets")}
-    issue()  # warm-up: first use of a buffer size allocates; not measured
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    device = device or rank_info().device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    issuers = {o: _issuer(o, nbytes, device) for o in ops}
+    for issue in issuers.values():
+        issue()  # warm-up: first use of a buffer size allocates (NCCL: builds its communicator)
+    sync()
+    reading = count_wire and dist.get_rank() == 0
+    out = {o: {k: [] for k in ("seconds", "bytes", "packets", "base_bytes", "base_packets")} for o in ops}
     for _ in range(repeats):
-        for kind in ("base", "op"):
-            c0 = loopback_counters() if reading else (0, 0)
-            with lt.paused():
-                dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters if kind == "op" else 0):
-                issue()
-            t1 = time.perf_counter()
-            with lt.paused():
-                dist.barrier()
-            c1 = loopback_counters() if reading else (0, 0)
-            prefix = "base_" if kind == "base" else ""
-            if kind == "op":
-                out["seconds"].append((t1 - t0) / iters)
-            if reading:
-                out[prefix + "bytes"].append((c1[0] - c0[0]) / iters)
-                out[prefix + "packets"].append((c1[1] - c0[1]) / iters)
-    return out
+        for o, issue in issuers.items():
+            for kind in ("base", "op") if count_wire else ("op",):
+                c0 = loopback_counters() if reading else (0, 0)
+                with lt.paused():
+                    dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters if kind == "op" else 0):
+                    issue()
+                sync()
+                t1 = time.perf_counter()
+                with lt.paused():
+                    dist.barrier()
+                c1 = loopback_counters() if reading else (0, 0)
+                prefix = "base_" if kind == "base" else ""
+                if kind == "op":
+                    out[o]["seconds"].append((t1 - t0) / iters)
+                if reading:
+                    out[o][prefix + "bytes"].append((c1[0] - c0[0]) / iters)
+                    out[o][prefix + "packets"].append((c1[1] - c0[1]) / iters)
+    return out[op] if isinstance(op, str) else out
 
 
 @dataclass(frozen=True)
@@ -153,7 +171,7 @@ class WireMeasurement:
     op: str
     nbytes: int              #: payload V per rank
     world_size: int
-    measured_bytes: float    #: median over repeats of lo's TX bytes, baseline (barriers) subtracted
+    measured_bytes: float    #: lo's TX bytes in the cleanest window, baseline (barriers) subtracted
     packets: float           #: the same for packets
     seconds: float           #: median over repeats of the slowest rank's time for one op
 
@@ -177,21 +195,23 @@ class WireMeasurement:
         return (self.measured_bytes - self.header_bytes) / self.formula_bytes
 
 
-def _median_net(values, base) -> float:
-    return statistics.median(values) - statistics.median(base)
+def _net(values, base) -> float:
+    """Our bytes in a window: the smallest op window minus the smallest baseline window.
 
-
-def _measure_many(ops, nbytes, repeats, iters, count_wire) -> list[dict]:
-    """Rank side of :func:`measure_wire`: every op in one launched call."""
-    return [measure_on_rank(op, nbytes, repeats, iters, count_wire) for op in ops]
+    Other processes can only *add* loopback bytes to a window, never remove ours, so the noise is
+    one-sided and the cleanest window is the smallest one: a minimum survives even when most windows
+    were hit, where a median needs more than half of them clean.
+    """
+    return min(values) - min(base)
 
 
 def measure_wire(ops=OPS, nbytes: int = 4 * MiB, world_size: int = 4, repeats: int = 5) -> list[WireMeasurement]:
-    """Measure each op in ``ops`` once per repeat on ``world_size`` gloo ranks; medians over repeats.
+    """Measure each op in ``ops`` ``repeats`` times (interleaved) on ``world_size`` ranks, on CPU tensors.
 
-    Other processes' loopback traffic during a window adds to it: the median over ``repeats`` windows
-    keeps one noisy window from mattering. Raises ``RuntimeError`` where loopback cannot be read, or
-    when the ranks do not talk over it (NCCL on GPUs).
+    Bytes: see :func:`_net` (baseline subtracted, smallest window); time: the median over repeats of
+    the slowest rank. The buffers are CPU tensors, so this measures gloo even on a GPU box (NCCL's
+    traffic goes over NVLink or the network, which ``lo`` never sees). Raises ``RuntimeError`` where
+    loopback cannot be read, or under ``torchrun`` (ranks may be on other machines).
     """
     from .launch import run
 
@@ -199,16 +219,17 @@ def measure_wire(ops=OPS, nbytes: int = 4 * MiB, world_size: int = 4, repeats: i
         raise RuntimeError("loopback byte counters need Linux's /proc/net/dev with an 'lo' interface; "
                            "on this machine only the formula (course_lib.costs.wire_bytes) is available")
     ops = (ops,) if isinstance(ops, str) else tuple(ops)
-    result = run(_measure_many, ops, nbytes, repeats, 1, True, world_size=world_size)
-    if result.backend != "gloo":
-        raise RuntimeError(f"backend {result.backend!r} does not send over loopback; measure with gloo")
+    result = run(measure_on_rank, ops, nbytes, repeats, 1, True, "cpu", world_size=world_size)
+    if result.backend == "torchrun":
+        raise RuntimeError("under torchrun the ranks may be on several machines, and lo counts one machine's "
+                           "loopback only; measure with course_lib.run's local ranks")
     out = []
-    for i, op in enumerate(ops):
-        r0 = result[0][i]
-        slowest = [max(result[r][i]["seconds"][k] for r in range(world_size)) for k in range(repeats)]
+    for op in ops:
+        r0 = result[0][op]
+        slowest = [max(result[r][op]["seconds"][k] for r in range(world_size)) for k in range(repeats)]
         out.append(WireMeasurement(op, nbytes, world_size,
-                                   measured_bytes=_median_net(r0["bytes"], r0["base_bytes"]),
-                                   packets=_median_net(r0["packets"], r0["base_packets"]),
+                                   measured_bytes=_net(r0["bytes"], r0["base_bytes"]),
+                                   packets=_net(r0["packets"], r0["base_packets"]),
                                    seconds=statistics.median(slowest)))
     return out
 
@@ -221,6 +242,7 @@ class Sweep:
     world_size: int
     sizes: tuple[int, ...]                  #: payloads V in bytes
     seconds: dict = field(default_factory=dict)   #: op -> tuple of seconds, one per size
+    backend: str = "gloo"                   #: what the ranks ran on: "gloo" (CPU) or "nccl" (GPUs)
 
     def wire(self, op: str) -> list[float]:
         """Per-rank ring wire bytes of ``op`` at every size (the x of an α-β fit)."""
@@ -233,17 +255,22 @@ class Sweep:
 
 def _iters_for(nbytes: int) -> int:
     """Back-to-back ops per timed window: many for tiny messages (µs each), one for MiBs."""
-    return max(1, min(16, (256 * KiB) // nbytes))
+    return max(1, min(4, (256 * KiB) // nbytes))
 
 
 def _sweep_on_rank(ops, sizes, repeats) -> dict:
+    """Rank side of :func:`time_collectives`: buffers on the rank's own device (CPU, or its GPU)."""
     return {(op, v): measure_on_rank(op, v, repeats, _iters_for(v), count_wire=False)["seconds"]
             for op in ops for v in sizes}
 
 
 def time_collectives(sizes=DEFAULT_SIZES, ops=("all_reduce", "all_gather", "reduce_scatter"),
                      world_size: int = 4, repeats: int = 3, backend: str | None = None) -> Sweep:
-    """Time every op at every size on ``world_size`` ranks in one launched call; see :class:`Sweep`."""
+    """Time every op at every size on ``world_size`` ranks in one launched call; see :class:`Sweep`.
+
+    Buffers live on each rank's device: CPU tensors over gloo here, GPU tensors over NCCL on a box with
+    a GPU per rank. ``backend="gloo"`` forces CPU.
+    """
     from .launch import run
 
     ops, sizes = tuple(ops), tuple(int(v) for v in sizes)
@@ -255,7 +282,7 @@ def time_collectives(sizes=DEFAULT_SIZES, ops=("all_reduce", "all_gather", "redu
             slowest = [max(result[r][(op, v)][k] for r in range(world_size)) for k in range(repeats)]
             per_size.append(statistics.median(slowest))
         seconds[op] = tuple(per_size)
-    return Sweep(world_size, sizes, seconds)
+    return Sweep(world_size, sizes, seconds, result.backend)
 
 
 @dataclass(frozen=True)
@@ -274,14 +301,17 @@ class Calibration:
 
 
 def calibrate_alpha_beta(world_size: int = 4, sizes=DEFAULT_SIZES, op: str = "all_reduce",
-                         repeats: int = 3, backend: str | None = None) -> Calibration:
+                         repeats: int = 3, backend: str | None = None, sweep: Sweep | None = None) -> Calibration:
     """Fit ``t = α + β · wire_bytes`` for ``op`` on ``world_size`` ranks of this machine.
 
+    Times ``op`` at ``sizes`` (median of ``repeats``) unless a :class:`Sweep` that has it is passed.
     Lab 00 calls it and plots the fit; Lab 08 calls it again to predict step times
     (``calibration.alpha_beta.step_seconds(costs.step_cost(...))``). Timings are this machine's, at
     this moment: on a shared 2-core laptop they wobble by tens of percent.
     """
-    from .runtime import choose_backend
-
-    sweep = time_collectives(sizes, (op,), world_size, repeats, backend)
-    return Calibration(op, world_size, choose_backend(world_size, prefer=backend).name, sweep.fit(op), sweep)
+    if sweep is None:
+        sweep = time_collectives(sizes, (op,), world_size, repeats, backend)
+    elif op not in sweep.seconds or sweep.world_size != world_size:
+        raise ValueError(f"the sweep timed {sorted(sweep.seconds)} on {sweep.world_size} ranks; "
+                         f"it cannot calibrate {op!r} on {world_size}")
+    return Calibration(op, world_size, sweep.backend, sweep.fit(op), sweep)

@@ -28,5 +28,5 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 echo "system-deps: installing chromium with apt-get"
 $SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends chromium
+$SUDO apt-get install -y -q chromium fonts-liberation
 /usr/bin/chromium --version

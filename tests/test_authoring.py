@@ -124,6 +124,20 @@ def test_make_labs_is_idempotent_and_byte_identical_across_processes(course, cap
     assert lab.read_bytes() == first
 
 
+def test_cells_without_ids_get_stable_ids(tmp_path, monkeypatch):
+    nb = notebook("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")
+    nb.nbformat_minor = 4
+    for cell in nb.cells:
+        del cell["id"]
+    path = write(tmp_path / "solutions", "02_memory.ipynb", nb)
+    first = authoring.lab_text(path)
+    monkeypatch.chdir(tmp_path / "solutions")           # a different cwd gives the same bytes
+    assert authoring.lab_text(Path(path.name)) == first
+    lab = nbformat.reads(first, as_version=4)
+    nbformat.validate(lab)
+    assert lab.nbformat_minor >= 5 and len({c.id for c in lab.cells}) == len(lab.cells)
+
+
 def test_check_detects_stale_missing_and_orphan_labs(course, capsys):
     tmp, args = course
     assert main(["make-labs", "--check", *args]) == 0

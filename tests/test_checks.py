@@ -162,6 +162,15 @@ def test_not_implemented_on_a_rank_duck_typed(capsys):
     assert "⏳ wrapped: not implemented yet — fill in the code" in capsys.readouterr().out
 
 
+def test_an_error_while_handling_not_implemented_is_a_real_error():
+    with pytest.raises(KeyError):
+        with check("fallback"):
+            try:
+                raise NotImplementedError("library op missing")
+            except NotImplementedError:
+                raise KeyError("real bug in the fallback")
+
+
 def test_wrong_answers_raise_check_failed_with_the_check_name():
     with pytest.raises(CheckFailed, match=r"^❌ average: grads: 16 of 16 element"):
         with check("average"):

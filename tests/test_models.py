@@ -3,6 +3,7 @@
 JAX is imported inside the tests, never at module level: another test module may need to set
 ``XLA_FLAGS`` (simulated devices) before the first ``import jax`` in this pytest process.
 """
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from course_lib import models as M
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -88,7 +90,8 @@ def test_torch_equals_flax_on_same_weights(cfg):
     torch_model.load_state_dict({k: torch.from_numpy(w) for k, w in weights.items()})
     flax_model = M.flax_load_(M.flax_gpt(cfg), weights)
     rng = np.random.default_rng(0)
-    for B, T in [(3, cfg.seq_len), (5, cfg.seq_len - 4)]:
+    # full length on the default config; on the awkward one a shorter T and the 1-token edge case
+    for B, T in [(3, cfg.seq_len)] if cfg == M.GPTConfig() else [(5, cfg.seq_len - 4), (1, 1)]:
         idx = rng.integers(0, cfg.vocab_size, size=(B, T))
         with torch.no_grad():
             want = torch_model(torch.from_numpy(idx)).numpy()  # [B, T, V]
@@ -102,7 +105,7 @@ def test_torch_equals_flax_on_same_weights(cfg):
 
 def test_dropout_runs_and_eval_modes_agree():
     from flax import nnx
-    cfg = M.GPTConfig(dropout=0.2)
+    cfg = dataclasses.replace(AWKWARD, n_layers=1, dropout=0.2)  # one layer: half the compile time
     torch_model, flax_model = M.torch_gpt(cfg), M.flax_gpt(cfg)
     idx = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, cfg.seq_len))
     x = torch.from_numpy(idx)

@@ -1,0 +1,196 @@
+"""Benchmark our from-scratch FSDP (:mod:`course_lib.fsdp`) against FSDP2 (``fully_shard``) and DDP.
+
+    python -m course_lib bench fsdp [--ranks 4] [--steps 20] [--warmup 3] [--batch 8]
+                                    [--d-model 66] [--layers 3] [--d-ff 199] [--seq-len 31]
+
+The same tiny GPT (awkward sizes: every unit pads), the same data, the same AdamW on every rank. Each
+strategy runs ``warmup`` steps, then ``steps`` timed steps; a step's time is the slowest rank's
+(ranks meet at an unrecorded barrier before each step). Reported per rank: the median step time,
+the peak of live tensor memory during the timed steps (CUDA: ``max_memory_allocated``), the model
+state kept between steps (parameters + gradients + AdamW state), and the ledger of one step against
+the analytic formula (:func:`costs.step_cost`: ``padding="flat"`` for ours, ``"dim0"`` for FSDP2).
+
+Both FSDPs reshard every unit after forward (FSDP2's root is told ``reshard_after_forward=True``,
+its default would keep the root unsharded), so both move ``3(N-1)/N · Ψpad`` bytes per step.
+4 gloo ranks on this machine; with one GPU per rank the same command runs with NCCL
+(:func:`runtime.choose_backend`). Timings on a shared CPU are noisy: read them, never assert them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from . import costs, launch
+from .models import GPTConfig
+
+STRATEGIES = ("ours", "fsdp2", "ddp")
+
+
+def build(strategy: str, cfg: GPTConfig, device="cpu", prefetch: bool = False, dtype=None,
+          reshard_root: bool = True):
+    """On a rank: the lab GPT (``init_weights(cfg, 0)``) wrapped for ``strategy`` ("ours", "fsdp2",
+    "ddp"), and its units' shapes (what ``costs.step_cost`` needs). ``reshard_root=False`` leaves
+    FSDP2's root at its default (kept unsharded after forward)."""
+    import torch
+    from .fsdp import FlatFSDP
+    from .models import TorchGPT, torch_gpt, torch_init_
+    if strategy == "ours":
+        model = torch_gpt(cfg, seed=0).to(device, dtype)
+        m = FlatFSDP(model, list(model.blocks), prefetch=prefetch)
+        return m, m.unit_shapes()
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        with torch.device("meta"):
+            model = TorchGPT(cfg).to(dtype)
+        for block in model.blocks:   # bottom-up: blocks first, then the root
+            fully_shard(block, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True if reshard_root else None)
+        model.to_empty(device=device)
+        torch_init_(model, cfg, seed=0)   # every rank computes the same numbers and keeps its shard
+        if not prefetch:   # FSDP2 prefetches by default; ours does not unless asked
+            for block in model.blocks:
+                block.set_modules_to_forward_prefetch([])
+                block.set_modules_to_backward_prefetch([])
+        blocks = {id(p) for b in model.blocks for p in b.parameters()}
+        root = [tuple(p.shape) for p in model.parameters() if id(p) not in blocks]
+        return model, [root] + [[tuple(p.shape) for p in b.parameters()] for b in model.blocks]
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = torch_gpt(cfg, seed=0).to(device, dtype)
+        return DDP(model), [[tuple(p.shape) for p in model.parameters()]]
+    raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+
+
+def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: int, prefetch: bool = False) -> dict:
+    """Run on every rank (``launch.run``): time ``steps`` training steps of ``strategy``."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from . import ledger_torch as lt
+    from .data import TokenTask
+    from .fsdp import MemoryMeter, measured_state
+    from .launch import rank_info
+    from .models import loss_fn
+    info = rank_info()
+    device = torch.device(info.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model, units = build(strategy, cfg, device, prefetch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
+    batches = [tuple(torch.from_numpy(a).to(device) for a in task.rank_batch(s, batch, info.rank, info.world_size))
+               for s in range(warmup + steps)]
+    meter = MemoryMeter()
+    times, losses, state = [], [], {}
+    for s, (x, y) in enumerate(batches):
+        timed = s >= warmup
+        with lt.paused():
+            dist.barrier()
+        if s == warmup:
+            meter.track(list(model.parameters()), list(opt.state.values()))
+            meter.reset_peak()
+            lt.recorder().reset()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+        lt.set_step(s - warmup if timed else None)
+        t0 = time.perf_counter()
+        with meter if (timed and not cuda) else _null():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            if s == len(batches) - 1:
+                state = measured_state(model, opt)   # gradients still held: the 16Ψ/N moment
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize(device)
+        if timed:
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+    peak = torch.cuda.max_memory_allocated(device) if cuda else meter.peak
+    return {"times": times, "losses": losses, "peak": peak, "state": state, "units": units}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(strategy: str, cfg: GPTConfig, *, ranks: int = 4, steps: int = 20, warmup: int = 3,
+            batch: int = 8, prefetch: bool = False, timeout: float = 300) -> dict:
+    """One strategy, all ranks: median step time, memory and the ledger against the formula."""
+    out = launch.run(bench_rank, strategy, cfg, steps, warmup, batch, prefetch, world_size=ranks, timeout=timeout)
+    n = ranks
+    step_times = [max(r["times"][i] for r in out) for i in range(steps)]  # the slowest rank sets the pace
+    one_step = out.ledger.filter(rank=0, step=steps // 2)
+    units = out[0]["units"]
+    if strategy == "ddp":
+        analytic = costs.step_cost("dp", units, n)
+    else:
+        analytic = costs.step_cost("fsdp", units, n, padding="flat" if strategy == "ours" else "dim0")
+    measured = costs.ledger_wire_bytes(one_step)
+    return {
+        "strategy": strategy, "median_s": statistics.median(step_times),
+        "peak": max(r["peak"] for r in out), "state": out[0]["state"].total,
+        "counts": dict(one_step.counts()), "wire": measured, "formula": analytic.wire_bytes,
+        "ratio": costs.ratio(measured, analytic.wire_bytes), "losses": out[0]["losses"],
+        "psi": analytic.psi, "psi_padded": analytic.psi_padded, "backend": out.backend,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'strategy':<9}{'median ms':>10}{'peak KiB':>10}{'state KiB':>10}  {'AG':>3}{'RS':>3}{'AR':>3}"
+            f"{'wire B/step':>13}{'formula B':>12}{'ratio':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        c = r["counts"]
+        lines.append(f"{r['strategy']:<9}{r['median_s'] * 1e3:>10.2f}{r['peak'] / 1024:>10.1f}{r['state'] / 1024:>10.1f}  "
+                     f"{c.get('all_gather', 0):>3}{c.get('reduce_scatter', 0):>3}{c.get('all_reduce', 0):>3}"
+                     f"{r['wire']:>13,.0f}{r['formula']:>12,.0f}{r['ratio']:>7.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m course_lib bench fsdp", description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over ranks")
+    ap.add_argument("--d-model", type=int, default=66)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--d-ff", type=int, default=199, help="prime: every block's flat parameter pads")
+    ap.add_argument("--seq-len", type=int, default=31, help="prime: the root's flat parameter pads")
+    ap.add_argument("--vocab", type=int, default=67)
+    ap.add_argument("--prefetch", action="store_true", help="prefetch the next unit in both FSDPs")
+    ap.add_argument("--only", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    a = ap.parse_args(argv)
+    cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq_len, d_model=a.d_model, n_heads=a.heads,
+                    n_layers=a.layers, d_ff=a.d_ff)
+    rows = [measure(s, cfg, ranks=a.ranks, steps=a.steps, warmup=a.warmup, batch=a.batch, prefetch=a.prefetch)
+            for s in a.only]
+    r0 = rows[0]
+    print(f"FSDP benchmark: {a.ranks} ranks ({r0['backend']}), {cfg}, global batch {a.batch}, "
+          f"{a.steps} timed steps after {a.warmup} warm-up, prefetch={'on' if a.prefetch else 'off'}")
+    print(f"Ψ = {r0['psi']:,} parameters; wire bytes are rank 0's, ring formulas (costs.wire_bytes)")
+    print(format_table(rows))
+    by = {r["strategy"]: r for r in rows}
+    if "ours" in by and "fsdp2" in by:
+        o, f = by["ours"], by["fsdp2"]
+        print(f"ours / FSDP2: step time {o['median_s'] / f['median_s']:.2f}x, peak memory {o['peak'] / f['peak']:.2f}x, "
+              f"wire bytes {o['wire'] / f['wire']:.4f}x (flat padding {o['psi_padded']:,} vs dim-0 padding "
+              f"{f['psi_padded']:,} elements)")
+        print(f"losses, last timed step: ours {o['losses'][-1]:.6f}, FSDP2 {f['losses'][-1]:.6f}"
+              + (f", DDP {by['ddp']['losses'][-1]:.6f}" if "ddp" in by else ""))
+    bad = [r["strategy"] for r in rows if abs(r["ratio"] - 1) > 1e-9]
+    if bad:
+        print(f"ledger != formula for: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Real-browser test of both widgets: JupyterLab 4 + headless Debian Chromium driven by Playwright.
+
+Starts JupyterLab on a free localhost port (token auth, a temporary root dir holding
+``tests/fixtures/widgets_browser.ipynb``), opens the notebook, runs every cell, asserts that both
+widgets rendered their SVG, changes a control in each and asserts the view changed. Screenshots go to
+``test-artifacts/browser/`` (gitignored). Skipped where ``/usr/bin/chromium`` or Playwright is missing
+(``make system-deps`` installs chromium; never ``playwright install``, which downloads a browser).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "widgets_browser.ipynb"
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SERVER_START_S = 150    # JupyterLab's first cold start can take over a minute on a busy 2-core machine
+WIDGETS_S = 150         # kernel start + course_lib.run cold start + two widget renders
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0, method: str = "GET", body: dict | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+@pytest.fixture
+def jupyter_server(tmp_path):
+    """(base url, token) of a JupyterLab serving a temp dir with the fixture notebook; stopped after."""
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} missing: run `make system-deps` (apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api")
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(FIXTURE, root / FIXTURE.name)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"))
+    # no "get Jupyter news?" toast over the screenshots
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True)
+    news.write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    log = open(tmp_path / "server.log", "w")
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+           "--ServerApp.terminals_enabled=False", "--LabApp.extension_manager=readonly",
+           "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI containers run as root
+        cmd.append("--allow-root")
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {proc.returncode}:\n{(tmp_path / 'server.log').read_text()}")
+            try:
+                _get(f"{base}/api/status?token={token}")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"jupyter lab did not answer in {SERVER_START_S} s:\n"
+                                       f"{(tmp_path / 'server.log').read_text()}")
+                time.sleep(0.5)
+        # start the notebook's kernel through the REST API: the page attaches to it (no kernel dialog)
+        _get(f"{base}/api/sessions?token={token}", timeout=60, method="POST",
+             body={"path": FIXTURE.name, "name": FIXTURE.name, "type": "notebook", "kernel": {"name": "python3"}})
+        yield base, token, tmp_path
+    finally:
+        try:  # shut kernels down through the server first: they run in their own sessions
+            for k in _get(f"{base}/api/kernels?token={token}") or []:
+                _get(f"{base}/api/kernels/{k['id']}?token={token}", timeout=30, method="DELETE")
+        except Exception:
+            pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / "server.log", ARTIFACTS / "jupyter-server.log")
+
+
+def _select(page, widget: str, label: str, option_label: str):
+    """Pick ``option_label`` in the ipywidgets Dropdown described ``label`` inside ``widget``."""
+    page.locator(f"{widget} .widget-dropdown:has(label:text-is('{label}')) select").select_option(label=option_label)
+
+
+def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
+    from playwright.sync_api import sync_playwright
+    base, token, tmp_path = jupyter_server
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
+                                                   headless=True, args=CHROMIUM_ARGS,
+                                                   viewport={"width": 1400, "height": 1000})
+        try:
+            page = ctx.new_page()
+            page.set_default_timeout(WIDGETS_S * 1000)
+            page.goto(f"{base}/lab/tree/{FIXTURE.name}?token={token}", wait_until="domcontentloaded")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=SERVER_START_S * 1000)
+            # the kernel was started through the API; should Lab still ask which kernel, accept its choice
+            page.wait_for_timeout(1500)
+            if page.locator(".jp-Dialog .jp-mod-accept").count():
+                page.locator(".jp-Dialog .jp-mod-accept").first.click()
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+            own, traf = ".ownership-widget", ".traffic-widget"
+            page.wait_for_selector(f"{own} svg.ownership-bars g.slice")
+            page.wait_for_selector(f"{traf} svg.traffic-timeline g.collective")
+            page.locator(own).scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "01-ownership-fsdp-4.png"), full_page=True)
+            page.locator(own).screenshot(path=str(ARTIFACTS / "01-ownership-widget.png"))
+
+            # ownership: 4 params x 4 ranks, real + padding stretches, rank colours from the palette
+            title = page.locator(f"{own} .ownership-title").inner_text()
+            assert "fsdp" in title and "4 ranks" in title, title
+            n_before = page.locator(f"{own} svg.ownership-bars g.slice").count()
+            fills = set(page.locator(f"{own} svg.ownership-bars g.slice rect[fill^='#']").evaluate_all(
+                "els => els.map(e => e.getAttribute('fill'))"))
+            from course_lib.widgets import rank_color
+            assert {rank_color(r) for r in range(4)} <= fills, fills
+            assert page.locator(f"{own} svg.memory-bars rect.mem-params").count() == 4
+
+            # change a control: strategy -> hsdp (2 x 2 mesh); the view must redraw
+            _select(page, own, "strategy", "hsdp")
+            page.wait_for_function(
+                "() => document.querySelector('.ownership-widget .ownership-title').innerText.includes('hsdp')")
+            title2 = page.locator(f"{own} .ownership-title").inner_text()
+            assert "(2, 2)" in title2, title2
+            n_after = page.locator(f"{own} svg.ownership-bars g.slice").count()
+            assert n_after != n_before, (n_before, n_after)
+            # HSDP: every slice has two owners (its replicate pair), drawn as two stripes
+            owners = page.locator(f"{own} svg.ownership-bars g.slice").first.get_attribute("data-owners")
+            assert owners == "0,2", owners
+            hover = page.locator(f"{own} svg.ownership-bars g.slice title").first.text_content()
+            assert hover.startswith("wte: ranks 0,2 hold [0:48) = [0:6, 0:8] of (11, 8)"), hover
+            page.locator(own).screenshot(path=str(ARTIFACTS / "02-ownership-hsdp-2x2.png"))
+
+            # traffic: 12 collectives (2 ranks x 2 steps x 3 ops); step 1 alone shows 6
+            page.locator(traf).scroll_into_view_if_needed()
+            page.locator(traf).screenshot(path=str(ARTIFACTS / "03-traffic-all-steps.png"))
+            assert page.locator(f"{traf} g.collective").count() == 12
+            assert "1.000" in page.locator(f"{traf} table.traffic-compare").inner_text()
+            _select(page, traf, "step", "step 1")
+            page.wait_for_function("() => document.querySelectorAll('.traffic-widget g.collective').length === 6")
+            assert page.locator(f"{traf} g.collective[data-rank='1']").count() == 3
+            page.locator(traf).screenshot(path=str(ARTIFACTS / "04-traffic-step-1.png"))
+            page.screenshot(path=str(ARTIFACTS / "05-notebook-after.png"), full_page=True)
+        except Exception:
+            try:
+                page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+            except Exception:
+                pass
+            raise
+        finally:
+            ctx.close()

@@ -1,0 +1,157 @@
+"""Project files agree with each other: dependencies, the torch pin, README, CI, pytest/nbval config."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from course_lib import authoring
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SMOKE = ROOT / "tests" / "fixtures" / "smoke" / "00_smoke.ipynb"
+
+
+def _reqs(lines) -> dict[str, Requirement]:
+    reqs = [Requirement(line) for line in lines]
+    return {r.name.lower(): r for r in reqs}
+
+
+def pyproject_deps() -> dict[str, Requirement]:
+    project = PYPROJECT["project"]
+    return _reqs(project["dependencies"] + project["optional-dependencies"]["test"])
+
+
+def environment_deps() -> dict[str, Requirement]:
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    assert any(str(d).startswith("python=3.11") for d in env["dependencies"]), "python 3.11 expected"
+    return _reqs(pip)
+
+
+def makefile_torch() -> str:
+    m = re.search(r"^TORCH_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert m, "Makefile must set TORCH_VERSION"
+    return m.group(1)
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    py, env = pyproject_deps(), environment_deps()
+    assert sorted(env) == sorted(py)
+    for name, req in py.items():
+        if name != "torch":
+            assert env[name].specifier == req.specifier, f"{name}: {env[name]} vs {req}"
+
+
+def test_torch_is_pinned_the_same_everywhere_and_inside_the_supported_range():
+    pin = makefile_torch()
+    assert str(environment_deps()["torch"].specifier) == f"=={pin}"
+    assert '"torch==$(TORCH_VERSION)"' in (ROOT / "Makefile").read_text()
+    assert Version(pin) in pyproject_deps()["torch"].specifier
+
+
+def test_makefile_keeps_its_targets():
+    text = (ROOT / "Makefile").read_text()
+    for target in ("lab", "test", "solutions", "labs", "doctor", "install", "bench", "clean"):
+        assert re.search(rf"^{target}:", text, re.M), target
+    assert "--ServerApp.ip=127.0.0.1" in text and "token=" not in text   # token auth stays on
+    assert "scripts/system-deps.sh" in text
+
+
+def test_readme_gives_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    for needle in ("make lab", "make test", "make solutions", "python -m course_lib doctor", "torchrun"):
+        assert needle in text
+
+
+def test_ci_run_is_executable_strict_and_calls_make_test():
+    path = ROOT / ".ci" / "run"
+    assert path.stat().st_mode & stat.S_IXUSR
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+    assert re.search(r"^make test\b", text, re.M) or "make test ||" in text
+
+
+def _fake_ci(tmp_path: Path, pytest_status: int, make_status: int) -> subprocess.CompletedProcess:
+    """Run a copy of .ci/run with a fake `make` that pretends pytest exited with ``pytest_status``."""
+    (tmp_path / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "make").write_text(f"#!/bin/sh\necho {pytest_status} > test-artifacts/pytest-exit-status\n"
+                               f"exit {make_status}\n")
+    (bin_ / "make").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(tmp_path / ".ci" / "run")], env=env, capture_output=True, text=True)
+
+
+def test_ci_run_turns_no_tests_collected_into_a_failure(tmp_path):
+    result = _fake_ci(tmp_path, pytest_status=5, make_status=2)
+    assert result.returncode == 1 and "collected no tests" in result.stderr
+
+
+def test_ci_run_passes_success_and_failure_through(tmp_path):
+    assert _fake_ci(tmp_path / "a", 0, 0).returncode == 0
+    assert _fake_ci(tmp_path / "b", 1, 2).returncode == 2
+
+
+def test_system_deps_script_is_noninteractive_and_idempotent():
+    path = ROOT / "scripts" / "system-deps.sh"
+    assert path.stat().st_mode & stat.S_IXUSR
+    text = path.read_text()
+    assert "DEBIAN_FRONTEND=noninteractive" in text and "apt-get install -y" in text
+    assert text.count("apt-get update") == 1 and "[[ -x /usr/bin/chromium ]]" in text
+
+
+def test_sanitize_file_masks_what_varies_and_keeps_what_is_compared():
+    from nbval.plugin import get_sanitize_patterns
+    patterns = get_sanitize_patterns((ROOT / "tests" / "nbval_sanitize.cfg").read_text())
+
+    def clean(s: str) -> str:
+        for regex, replace in patterns:
+            s = re.sub(regex, replace, s)
+        return s
+    varying = [  # (one run, another run): equal once sanitized
+        ("step took 1.23 s.", "step took 0.9 s."), ("all-gather 123 ms", "all-gather 7 ms"),
+        ("at 0x7f3a2c1b4e50", "at 0x55d0c0ffee00"), ("saved /tmp/tmpab12cd/ckpt, ok", "saved /tmp/x9/ckpt, ok"),
+        ("MASTER_PORT=29517", "MASTER_PORT=41000"), ("127.0.0.1:41235", "127.0.0.1:8888"),
+        (" 50%|#####     | 5/10 [00:01<00:01,  4.99it/s]", "100%|##########| 10/10 [00:02<00:00,  5.01it/s]"),
+        ("2026-11-21T05:02:33", "2027-01-02T23:59:59"), ("3.2 GB/s", "12.75 GB/s"),
+        ("course_lib runtime: backend=gloo ranks=4 torch=2.13.0+cpu", "course_lib runtime: backend=nccl ranks=8 torch=2.11.0 gpus=8"),
+    ]
+    for a, b in varying:
+        assert clean(a) == clean(b), (a, clean(a), b, clean(b))
+    kept = "loss 2.3456 after 3 steps; 16 MiB moved; shape (4, 8); 768 bytes; 4 shards"
+    assert clean(kept) == kept
+
+
+def test_pytest_runs_nbval_on_solutions_and_labs_with_sanitizing():
+    opts = PYPROJECT["tool"]["pytest"]["ini_options"]
+    assert opts["testpaths"] == ["tests", "solutions", "labs"]
+    for flag in ("--nbval ", "--nbval-current-env", "--nbval-cell-timeout=300",
+                 "--nbval-sanitize-with=tests/nbval_sanitize.cfg"):
+        assert flag in opts["addopts"] + " "
+    assert opts["timeout"] > 300 and "fixtures" in opts["norecursedirs"]
+
+
+def test_nbval_config_compares_a_solution_and_runs_its_lab(tmp_path):
+    """The project's own pytest configuration on the smoke solution (outputs compared, after
+    sanitizing an address and a timing) and on its lab (stubs: runs, nothing compared)."""
+    shutil.copy(SMOKE, tmp_path / SMOKE.name)
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / SMOKE.name).write_text(authoring.lab_text(SMOKE))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+         str(tmp_path / SMOKE.name), str(tmp_path / "labs" / SMOKE.name)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert re.search(r"\b10 passed\b", result.stdout), result.stdout[-2000:]

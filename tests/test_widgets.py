@@ -1,0 +1,182 @@
+"""What the widgets draw, checked as data: slice stretches, colours per rank, byte totals, controls, fallbacks."""
+import base64
+import dataclasses
+import re
+
+import pytest
+
+from course_lib import costs
+from course_lib.ledger import CollectiveRecord, Ledger
+from course_lib.ownership import describe_flat, what_if
+from course_lib.widgets import (OwnershipWidget, ownership_rects, ownership_svg, palette, rank_color, show_ownership,
+                                show_traffic)
+from course_lib.widgets_traffic import group_label, traffic_compare, traffic_rows, traffic_svg, traffic_totals
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_palette_is_one_distinct_colour_per_rank():
+    cols = palette(32)
+    assert len(set(cols)) == 32 and all(re.fullmatch(r"#[0-9a-f]{6}", c) for c in cols)
+    assert cols[:4] == [rank_color(r) for r in range(4)] == ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+
+
+def test_ownership_rects_tile_each_bar_with_owner_colours_and_padding():
+    spec = what_if({"w": (10, 3), "b": (3,)}, world_size=4, strategy="fsdp")
+    rects = ownership_rects(spec, "params")
+    w = [r for r in rects if r["bar"] == "w"]
+    # 4 real stretches + rank 3's padding (rows 10..12 of the padded 12): [0, 1] covered exactly once
+    assert [(r["owners"], r["padding"]) for r in w] == [((0,), False), ((1,), False), ((2,), False), ((3,), False),
+                                                        ((3,), True)]
+    assert w[0]["x0"] == 0 and w[-1]["x1"] == 1 and all(a["x1"] == pytest.approx(b["x0"]) for a, b in zip(w, w[1:]))
+    assert w[3]["x1"] - w[3]["x0"] == pytest.approx(3 / 36) and w[4]["x1"] - w[4]["x0"] == pytest.approx(6 / 36)
+    assert all(r["colors"] == [rank_color(o) for o in r["owners"]] for r in rects)
+    assert "[9:10, 0:3] of (10, 3)" in w[3]["title"]
+
+
+def test_replicated_state_is_one_stretch_held_by_every_rank():
+    spec = what_if({"w": (10, 3)}, world_size=4, strategy="zero1")
+    (params,) = ownership_rects(spec, "params")          # ZeRO-1: parameters replicated ...
+    assert params["owners"] == (0, 1, 2, 3) and (params["x0"], params["x1"]) == (0, 1)
+    assert len(ownership_rects(spec, "optimizer")) == 5   # ... the optimizer state sharded (+ padding)
+    with pytest.raises(ValueError, match="state"):
+        ownership_rects(spec, "activations")
+
+
+def test_hsdp_stretches_carry_both_replicas_colours():
+    spec = what_if({"w": (8, 2)}, world_size=4, strategy="hsdp")
+    rects = ownership_rects(spec)
+    assert [r["colors"] for r in rects] == [[rank_color(0), rank_color(2)], [rank_color(1), rank_color(3)]]
+    svg = ownership_svg(spec)
+    assert svg.count('class="slice"') == 2 and svg.count("<title>") == 2
+
+
+def test_ownership_widget_controls_redraw():
+    wd = show_ownership({"w": (10, 3), "b": (3,)}, world_size=4, strategy="fsdp")
+    assert isinstance(wd, OwnershipWidget) and wd.spec.world_size == 4
+    before = wd.bars_html.value
+    wd.world.value = 8
+    assert wd.spec.world_size == 8 and wd.bars_html.value != before and len(wd.rank.options) == 9
+    wd.strategy.value = "hsdp"
+    assert wd.spec.mesh_shape == (2, 4) and not wd.replicate.disabled and wd.layout_dd.value == "dim0"
+    wd.replicate.value = 4
+    assert wd.spec.mesh_shape == (4, 2)
+    wd.strategy.value = "zero2"
+    assert wd.layout_dd.value == "flat" and wd.spec.layout == "flat" and wd.replicate.disabled
+    wd.state.value = "optimizer"
+    html = wd.bars_html.value
+    assert "<b>optimizer</b> sharded" in html
+    wd.state.value = "params"   # ZeRO-2 parameters are replicated: the picture says so
+    assert "<b>params</b> replicated" in wd.bars_html.value and wd.bars_html.value != html
+    wd.rank.value = 3           # highlight rank 3: replicated params stay lit, others' optimizer shards dim
+    assert 'fill-opacity="0.18"' not in wd.bars_html.value
+    wd.state.value = "optimizer"
+    assert 'fill-opacity="0.18"' in wd.bars_html.value
+    wd.selected.value = "unit0" if "unit0" in wd.selected.options else wd.selected.options[0]
+    assert "slice-table" in wd.table_html.value
+
+
+def _descendants(widget):
+    yield widget
+    for c in getattr(widget, "children", ()):
+        yield from _descendants(c)
+
+
+def test_real_spec_shows_no_what_if_controls():
+    spec = describe_flat([[("w1", (5,)), ("b1", (2,))]], 3)
+    assert spec.inputs is not None        # flat units are a description: the controls apply
+    editable = show_ownership(spec)
+    assert editable.world in list(_descendants(editable))
+    real = dataclasses.replace(spec, inputs=None, source="torch")
+    wd = show_ownership(real)
+    shown = list(_descendants(wd))
+    assert wd.world not in shown and wd.strategy not in shown and wd.state in shown
+    with pytest.raises(ValueError, match="only apply to a what-if spec"):
+        show_ownership(real, world_size=8)
+
+
+def test_mimebundle_has_widget_view_text_and_png():
+    wd = show_ownership(what_if({"w": (10, 3)}, world_size=4, strategy="fsdp"))
+    data = wd._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert data["text/plain"].startswith("fsdp over 4 ranks") and "rank 3" in data["text/plain"]
+    assert base64.b64decode(data["image/png"]).startswith(PNG)
+
+
+# -- traffic ---------------------------------------------------------------------------------------------
+def _ledger(n=2, steps=2, v=120):
+    """An FSDP-like run: per step all-gather (forward), all-gather + reduce-scatter (backward)."""
+    recs, t = [], 0.0
+    for s in range(steps):
+        for phase, op in (("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")):
+            for r in range(n):
+                recs.append(CollectiveRecord(op, v, "float32", n, r, tuple(range(n)), None, t, t + 0.001, phase, s))
+            t += 0.002
+    return Ledger(recs)
+
+
+def test_traffic_rows_totals_and_colours():
+    led = _ledger()
+    rows = traffic_rows(led)
+    assert len(rows) == 12 and {r["color"] for r in rows} == {rank_color(0), rank_color(1)}
+    assert all(r["wire"] == 60 for r in rows)           # ring: (N-1)/N * V = 120 / 2
+    totals = traffic_totals(led)
+    assert totals[(0, "forward")] == {"count": 2, "payload": 240, "wire": 120.0}
+    assert totals[(1, "backward")] == {"count": 4, "payload": 480, "wire": 240.0}
+    assert len(traffic_rows(led, step=1, rank=0)) == 3
+    assert traffic_rows(led)[0]["group"] == "world"
+
+
+def test_traffic_compare_against_step_cost():
+    # one unit of 30 fp32 elements on 2 ranks: V = 120 bytes; FSDP: AG fwd + AG bwd + RS bwd per step
+    analytic = costs.step_cost("fsdp", [[(30,)]], 2)
+    rows = traffic_compare(_ledger(), analytic)
+    by = {(r["phase"], r["op"]): r for r in rows}
+    assert set(by) == {("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")}
+    assert all(r["ratio"] == pytest.approx(1.0) and r["count"] == 1 for r in rows)
+    # a DP analytic cost (all-reduce) against the same run: per op, the mismatch shows
+    dp = {(r["phase"], r["op"]): r for r in traffic_compare(_ledger(), costs.step_cost("dp", [[(30,)]], 2))}
+    assert dp[("backward", "all_reduce")]["measured"] == 0 and dp[("backward", "all_reduce")]["ratio"] == 0
+    assert dp[("forward", "all_gather")]["analytic"] is None
+    plain = traffic_compare(_ledger(), {"all_gather": 120.0, "reduce_scatter": 30.0}, step=0)
+    assert {r["op"]: r["ratio"] for r in plain} == {"all_gather": 1.0, "reduce_scatter": 2.0}
+
+
+def test_group_label_names_axis_world_or_ranks():
+    rec = CollectiveRecord("all_gather", 8, "float32", 2, 0, (0, 2), "shard", 0.0, 0.1)
+    assert group_label(rec, 4) == "shard"
+    assert group_label(CollectiveRecord("all_reduce", 8, "float32", 2, 0, (0, 2)), 4) == "ranks 0,2"
+    assert group_label(CollectiveRecord("all_reduce", 8, "float32", 4, 0, (0, 1, 2, 3)), 4) == "world"
+
+
+def test_jax_ledger_is_drawn_in_program_order():
+    led = Ledger([CollectiveRecord("all_gather", 64, "float32", 8, source="jax-hlo", axis="data"),
+                  CollectiveRecord("all_reduce", 64, "float32", 8, source="jax-hlo", axis="data")])
+    rows = traffic_rows(led)
+    assert [(r["x0"], r["rank"]) for r in rows] == [(0.0, -1), (1.0, -1)]
+    assert "program order" in traffic_svg(rows) and "all devices" in traffic_svg(rows)
+    assert traffic_compare(led)[0]["measured"] == pytest.approx(64 * 7 / 8)
+
+
+def test_missing_end_time_is_drawn_up_to_the_next_op():
+    recs = [CollectiveRecord("reduce_scatter", 8, "float32", 2, 0, (0, 1), None, 0.0, None),
+            CollectiveRecord("all_reduce", 8, "float32", 2, 0, (0, 1), None, 0.0005, 0.0006)]
+    rows = traffic_rows(Ledger(recs))
+    assert rows[0]["x1"] == pytest.approx(0.0005)
+
+
+def test_traffic_widget_steps_through_the_run():
+    wd = show_traffic(_ledger(), analytic=costs.step_cost("fsdp", [[(30,)]], 2), title="fsdp")
+    assert wd.timeline.value.count('class="collective"') == 12
+    wd.step.value = 1
+    assert wd.timeline.value.count('class="collective"') == 6 and wd.op.max == 5
+    wd.op.value = 4
+    assert "stroke-width=\"2\"" in wd.timeline.value and "reduce_scatter" in wd.detail.value
+    assert "1.000" in wd.compare.value
+    data = wd._repr_mimebundle_()
+    assert data["text/plain"].startswith("fsdp") and base64.b64decode(data["image/png"]).startswith(PNG)
+
+
+def test_show_traffic_accepts_dict_rows():
+    wd = show_traffic(_ledger().to_dicts())
+    assert wd.timeline.value.count('class="collective"') == 12
