@@ -2,8 +2,9 @@
 
 Each token has 2 or 3 possible successors with seeded random probabilities. A sequence starts at a
 uniformly random token and walks the chain. A model that has learnt the chain cannot do better than
-the chain's own uncertainty, so :meth:`TokenTask.entropy_floor` is the exact loss to aim for: a tiny
-GPT falls from ln(V) towards it within ~100 steps.
+the chain's own uncertainty, so :meth:`TokenTask.entropy_floor` is the exact loss to aim for. The
+default GPT (V=67, T=30) falls from ln(67) = 4.2 to within ~0.2 nats of the floor (0.68) in ~50 Adam
+steps of 32 sequences at lr 5e-3; the last ~0.05 nats take hundreds more.
 
 Data parallel needs every rank to see its own part of *one* global batch, so that N ranks on slices
 equal one process on the whole: :meth:`TokenTask.global_batch` depends only on ``(seed, step)``, and
@@ -17,7 +18,8 @@ import numpy as np
 
 __all__ = ["TokenTask"]
 
-MAX_SUCCESSORS = 3  # 2–3 likely next tokens: learnable in ~100 steps, far below ln(V)
+MAX_SUCCESSORS = 3  # 2 or 3 next tokens: quick to learn, and a floor far below ln(V)
+CONCENTRATION = 1.0  # Dirichlet alpha: 1 is uniform over the simplex, so some successors are rare, some dominant
 _STRUCTURE, _BATCH = 0, 1  # stream tags: the chain and the batches never share random numbers
 
 
@@ -28,8 +30,8 @@ class TokenTask:
     vocab_size: int  #: V, should equal the model's GPTConfig.vocab_size
     seq_len: int     #: T, tokens per input row; the sampled rows are T + 1 long before the shift
     seed: int = 0    #: fixes the chain and every batch
-    successors: np.ndarray = field(init=False, repr=False, compare=False)  #: [V, 3] next-token ids
-    probs: np.ndarray = field(init=False, repr=False, compare=False)       #: [V, 3] their probabilities
+    successors: np.ndarray = field(init=False, repr=False, compare=False)  #: [V, K] next-token ids
+    probs: np.ndarray = field(init=False, repr=False, compare=False)       #: [V, K] their probabilities
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "seed"):
@@ -42,7 +44,7 @@ class TokenTask:
         V, K = self.vocab_size, MAX_SUCCESSORS
         rng = np.random.default_rng([self.seed, _STRUCTURE])
         successors = np.stack([rng.choice(V, size=K, replace=False) for _ in range(V)])  # [V, K] distinct
-        probs = rng.dirichlet(np.ones(K), size=V)                                         # [V, K]
+        probs = rng.dirichlet(np.full(K, CONCENTRATION), size=V)                          # [V, K]
         probs[rng.random(V) < 0.5, -1] = 0.0  # about half the tokens have only 2 successors
         probs /= probs.sum(axis=1, keepdims=True)
         # frozen dataclass: derived fields are set once here, and read-only so no one edits the chain
@@ -53,7 +55,7 @@ class TokenTask:
     def transition_matrix(self) -> np.ndarray:
         """P[i, j] = probability that token j follows token i; [V, V], rows sum to 1."""
         P = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(P, (np.arange(self.vocab_size)[:, None], self.successors), self.probs)
+        P[np.arange(self.vocab_size)[:, None], self.successors] = self.probs  # successors are distinct
         return P
 
     def entropy_floor(self) -> float:
@@ -87,9 +89,9 @@ class TokenTask:
         tokens = np.empty((batch_size, self.seq_len + 1), dtype=np.int64)  # [B, T + 1]
         tokens[:, 0] = rng.integers(0, self.vocab_size, size=batch_size)
         for t in range(self.seq_len):
-            cur = tokens[:, t]                                                           # [B]
-            u = rng.random(batch_size)[:, None]                                          # [B, 1]
-            pick = np.minimum((u >= cdf[cur]).sum(axis=1), last[cur])                    # [B]
+            cur = tokens[:, t]                                          # [B]
+            u = rng.random(batch_size)[:, None]                         # [B, 1]
+            pick = np.minimum((u >= cdf[cur]).sum(axis=1), last[cur])  # [B] which successor
             tokens[:, t + 1] = self.successors[cur, pick]
         return tokens[:, :-1].copy(), tokens[:, 1:].copy()
 
@@ -102,7 +104,8 @@ class TokenTask:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank({rank}) must be in [0, world_size({world_size})) and world_size >= 1")
         if batch_size % world_size:
-            nearest = sorted({n for n in (batch_size // world_size * world_size, -(-batch_size // world_size) * world_size) if n})
+            down, up = batch_size // world_size * world_size, -(-batch_size // world_size) * world_size
+            nearest = [down, up] if down else [up]
             raise ValueError(
                 f"batch_size({batch_size}) % world_size({world_size}) = {batch_size % world_size}: ranks need equal "
                 f"slices for their mean losses to average to the global mean; use batch_size "

@@ -19,7 +19,7 @@ One unit in one training step::
               | the gather's backward: reduce-scatter ÷N into flat_param.grad, free -> SHARDED
     step      any optimizer over model.parameters(): the shards alone (AdamW is elementwise)
 
-"All-gather in forward, reduce-scatter ÷N in backward" is one autograd.Function (:class:`_Unshard`),
+"All-gather in forward, reduce-scatter ÷N in backward" is one autograd.Function (:class:`Unshard`),
 the UvA/JAX pattern. The re-gather in backward comes from saved-tensor hooks: autograd keeps not the
 unsharded parameters but a note of where they lie in the flat buffer, and gathers them again when the
 backward needs them -- as activation checkpointing recomputes, but without recomputing anything else.
@@ -46,7 +46,7 @@ from .fsdp_comm import all_gather_flat, reduce_scatter_mean
 from .memory_measure import measure_state
 from .sharding import flat_layout
 
-__all__ = ["State", "FlatParameter", "FlatFSDP", "MemoryMeter", "measured_state", "gathered_parameters"]
+__all__ = ["State", "FlatParameter", "Unshard", "FlatFSDP", "MemoryMeter", "measured_state", "gathered_parameters"]
 
 
 class State(enum.Enum):
@@ -122,7 +122,7 @@ class FlatParameter:
                 f"of {self.world}, {self.state.name})")
 
 
-class _Unshard(torch.autograd.Function):
+class Unshard(torch.autograd.Function):
     """All-gather in forward; in backward, reduce-scatter ÷N: each rank's shard gets the mean gradient."""
 
     @staticmethod
@@ -136,7 +136,6 @@ class _Unshard(torch.autograd.Function):
         flat = ctx.flat
         grad_shard = reduce_scatter_mean(grad_full, flat.group)
         flat.reshard()               # the unit's backward is over: autograd runs this node last
-        flat.note("backward")
         return grad_shard, None
 
 
@@ -184,6 +183,7 @@ class FlatFSDP(nn.Module):
         self.timeline: list[tuple[str, str, float, float]] = []  # (unit, phase, start, end), ledger clock
         for flat in self.flats:
             flat.timeline = self.timeline
+            flat.sharded.register_post_accumulate_grad_hook(lambda p, f=flat: f.note("backward"))
 
     @staticmethod
     def _owned_modules(unit: nn.Module, units: list[nn.Module]):
@@ -197,7 +197,7 @@ class FlatFSDP(nn.Module):
     # -- the unit's lifecycle: what FSDP does, one method per moment (override to experiment) ----
     def pre_forward(self, flat: FlatParameter) -> None:
         """Before the unit's forward: all-gather (autograd: reduce-scatter in backward), set views."""
-        full = _Unshard.apply(flat.sharded, flat)   # [padded numel], flat is now UNSHARDED
+        full = Unshard.apply(flat.sharded, flat)   # [padded numel], flat is now UNSHARDED
         flat.set_views(full)
         nxt = self.next_unit(flat)
         if self.prefetch and nxt is not None:
@@ -281,9 +281,9 @@ class FlatFSDP(nn.Module):
         """Per unit, its parameters' shapes: the ``units`` argument of ``costs.step_cost``."""
         return [list(f.shapes) for f in self.flats]
 
-    def named_units(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-        """``{unit: [(parameter name, shape), ...]}``, for ``ownership.describe_flat``."""
-        return {f.name or "root": list(zip(f.fqns, f.shapes)) for f in self.flats}
+    def named_units(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """``{unit: {parameter name: shape}}`` in flat order, for ``ownership.describe_flat``."""
+        return {f.name or "root": dict(zip(f.fqns, f.shapes)) for f in self.flats}
 
 
 def gathered_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -157,7 +157,7 @@ def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict):
     for kind in ("ddp", "fsdp"):
         model = torch_gpt(cfg, seed=0)
         m = DDP(model) if kind == "ddp" else cls(model, list(model.blocks), **kwargs)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
         losses, states = [], []
         for s in range(steps):
             x, y = (torch.from_numpy(a) for a in task.rank_batch(s, batch, r, n))

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import checks
 
-__all__ = ["AXIS", "MIN_SIZE", "CPU_FAST_COMPILE", "fsdp_spec", "state_specs", "shardings", "spec_table",
+__all__ = ["AXIS", "MIN_SIZE", "CPU_FAST_COMPILE", "fsdp_spec", "state_specs", "shardings", "spec_table", "path_name",
            "compile_options", "shard_model", "sharded_optimizer", "forward", "loss_fn", "make_train_step",
            "all_gather_shard", "psum_scatter_grad", "gather_vjp", "shard_map_step", "sharded_dim",
            "check_spec_rule", "check_gather_pair"]
@@ -75,8 +75,10 @@ def shardings(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
-def _path(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+def path_name(path) -> str:
+    """``blocks.0.mlp.fc.kernel`` for a pytree path of an ``nnx.State`` (the Variable's ``.value`` dropped)."""
+    name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return name.removesuffix(".value")
 
 
 def spec_table(state, n: int | None = None, rule=fsdp_spec, **kw) -> str:
@@ -91,7 +93,7 @@ def spec_table(state, n: int | None = None, rule=fsdp_spec, **kw) -> str:
         k = (n or x.sharding.mesh.size) if sharded_dim(spec) is not None else 1
         nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
         held, full = held + nbytes // k, full + nbytes
-        rows.append(f"{_path(path):<28} {str(tuple(x.shape)):<11} {str(spec):<20} {nbytes // k:>8,}")
+        rows.append(f"{path_name(path):<28} {str(tuple(x.shape)):<11} {str(spec):<20} {nbytes // k:>8,}")
     head = f"{'parameter':<28} {'shape':<11} {'spec':<20} {'B/device':>8}"
     return "\n".join([head, *rows, f"{'total':<61} {held:>8,} of {full:,} ({held / full:.1%})"])
 
@@ -245,10 +247,11 @@ _SPEC_CASES = [  # (shape, n, min_size, expected tuple, what it tests)
 
 def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
     """Exercise check: ``fn(shape, n, min_size=...)`` returns the PartitionSpec :func:`fsdp_spec` gives."""
+    from jax.sharding import PartitionSpec
     with checks.check(name) as c:
         for shape, n, min_size, want, why in _SPEC_CASES:
             got = fn(shape, n, min_size=min_size)
-            if not hasattr(got, "__iter__") or type(got).__name__ != "PartitionSpec":
+            if not isinstance(got, PartitionSpec):
                 raise AssertionError(f"{name}({shape}, n={n}) returned {got!r}; return a PartitionSpec, e.g. P('fsdp')")
             if _norm(got) != want:
                 raise AssertionError(f"{name}({shape}, n={n}, min_size={min_size}) = {got}, expected "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
 
@@ -48,11 +49,42 @@ class Recorder:
         self.phase, self.step = None, None
 
     def ledger(self) -> Ledger:
+        if _WATCH is not None:  # let completion times of already-finished works land first
+            drained = threading.Event()
+            _WATCH.put((None, drained))
+            drained.wait(5.0)
         with self._lock:
             return Ledger(list(self.records))
 
 
 _RECORDER = Recorder()
+_WATCH: "queue.SimpleQueue | None" = None
+
+
+def _watch(work, done):
+    """Call ``done`` when ``work`` completes, for works that offer no future.
+
+    One daemon thread waits on them in issue order (``Work.wait`` releases the GIL, and collectives
+    on a group complete in issue order), so the training thread is never blocked by the ledger.
+    """
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = queue.SimpleQueue()
+
+        def loop(q=_WATCH):
+            while True:
+                w, cb = q.get()
+                if w is None:  # a drain marker from Recorder.ledger()
+                    cb.set()
+                    continue
+                try:
+                    w.wait()
+                except Exception:  # the training thread sees the same error from its own wait()
+                    continue
+                cb(None)
+
+        threading.Thread(target=loop, name="ledger-watch", daemon=True).start()
+    _WATCH.put((work, done))
 
 
 def recorder() -> Recorder:
@@ -160,8 +192,8 @@ class LedgerProcessGroup(dist.ProcessGroup):
 
         try:
             work.get_future().add_done_callback(done)
-        except Exception:  # a work without a future: completion time unknown, end stays None
-            pass
+        except Exception:  # gloo's reduce-scatter work has no future: a watcher thread waits on it
+            _watch(work, done)
         return work
 
     # -- collectives: each records its payload V (see ledger.py) and forwards -----------------
@@ -185,8 +217,17 @@ class LedgerProcessGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        backend = self._backend(inputs)
+        if not hasattr(backend, "allgather_into_tensor_coalesced"):
+            # gloo has no coalesced all-gather (DTensor.full_tensor() asks for one): issue them one by
+            # one, each waited for, so the single work returned stands for all of them.
+            work = None
+            for out, inp in zip(outputs, inputs):
+                work = self._allgather_base(out, inp, opts)
+                work.wait()
+            return work
         return self._record("all_gather", "allgather_into_tensor_coalesced", outputs,
-                            self._backend(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts))
+                            backend.allgather_into_tensor_coalesced(outputs, inputs, opts))
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         ins = [t for lst in input_lists for t in lst]

@@ -22,6 +22,7 @@ others are replicated (ZeRO-1 shards only the optimizer state, DP nothing).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -266,8 +267,9 @@ def _as_units(shapes) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
             else:
                 raise ValueError(f"{x!r} is neither a shape like (64, 32) nor a (name, shape) pair")
         return out
-    if isinstance(shapes, dict) and shapes and all(isinstance(v, dict) for v in shapes.values()):
-        return [(str(k), named(v)) for k, v in shapes.items()]
+    if isinstance(shapes, dict) and shapes and all(isinstance(v, dict) or (isinstance(v, (list, tuple)) and not _is_shape(v))
+                                                   for v in shapes.values()):
+        return [(str(k), named(v)) for k, v in shapes.items()]   # {unit: {name: shape}} or {unit: [(name, shape)]}
     items = list(shapes.items()) if isinstance(shapes, dict) else list(shapes)
     if all(_is_shape(x) or _is_named(x) for x in items):
         return [("unit0", named(items))]
@@ -340,8 +342,7 @@ def describe_flat(units, world_size: int, *, strategy: str = "zero3", precision:
     ``world_size``, rank ``r`` owning ``[r*S, (r+1)*S)``."""
     spec = what_if(units if isinstance(units, dict) else [list(u) for u in units], world_size=world_size,
                    strategy=strategy, layout="flat", precision=precision)
-    return OwnershipSpec("flat", spec.strategy, spec.world_size, spec.bars, spec.ranks, layout="flat",
-                         precision=precision, sharded=spec.sharded, inputs=spec.inputs)
+    return dataclasses.replace(spec, source="flat")
 
 
 def describe_torch(model, *, precision: str = "fp32") -> OwnershipSpec:

@@ -6,13 +6,15 @@ Data: :func:`ownership_rects` (plain dicts, tested without a browser). Interacti
 """
 from __future__ import annotations
 
+import math
+
 import ipywidgets as w
 
 from .memory import PRECISIONS
 from .ownership import OWNERSHIP_STRATEGIES, STATES, OwnershipSpec, owners_label, what_if
 from .widgets_base import PADDING_COLOR, TABLE_CSS, StaticFallback, _esc, fmt_bytes, rank_color
 
-__all__ = ["ownership_rects", "ownership_svg", "memory_svg", "slice_table", "ownership_figure", "OwnershipWidget",
+__all__ = ["ownership_rects", "member_starts", "ownership_svg", "memory_svg", "slice_table", "ownership_figure", "OwnershipWidget",
            "show_ownership"]
 
 
@@ -51,6 +53,15 @@ def ownership_rects(spec: OwnershipSpec, state: str = "params") -> list[dict]:
     return out
 
 
+def member_starts(bar) -> list[tuple[str, float]]:
+    """(tensor name, where it starts as a fraction of the padded buffer) for a flat unit; [] for a parameter."""
+    out, pos = [], 0
+    for name, shape in bar.members:
+        out.append((name, pos / (bar.padded_numel or 1)))
+        pos += math.prod(shape)
+    return out
+
+
 # -- ownership: SVG for the widget ----------------------------------------------------------------------
 _ROW, _LABEL, _W = 22, 190, 560
 
@@ -86,6 +97,10 @@ def ownership_svg(spec: OwnershipSpec, state: str = "params", rank: int | None =
             dim = 1.0 if rank is None or rank in r["owners"] else 0.18
             out.append(_stripes(_LABEL + r["x0"] * _W, y, (r["x1"] - r["x0"]) * _W, _ROW - 6, r["owners"], r["colors"],
                                 r["title"], dim, r["padding"]))
+        for name, x in member_starts(b)[1:]:   # a flat unit: where each tensor begins (shards may cut them)
+            xp = _LABEL + x * _W
+            out.append(f'<line class="member-boundary" x1="{xp:.1f}" y1="{y - 1}" x2="{xp:.1f}" y2="{y + _ROW - 5}" '
+                       f'stroke="black" stroke-width="1.5"><title>{_esc(name)} starts here</title></line>')
     out.append("</svg>")
     more = f"<div>… {len(spec.bars) - max_bars} more not drawn</div>" if len(spec.bars) > max_bars else ""
     return "".join(out) + more
@@ -153,10 +168,14 @@ def ownership_figure(spec: OwnershipSpec, state: str = "params", max_bars: int =
             ax.barh(y - 0.35 + 0.7 * (i + 0.5) / k, r["x1"] - r["x0"], 0.7 / k, left=r["x0"],
                     color="white" if r["padding"] else c, edgecolor=c if r["padding"] else "white",
                     hatch="///" if r["padding"] else None, linewidth=0.5)
+    for y, b in enumerate(bars):
+        for _, x in member_starts(b)[1:]:
+            ax.plot([x, x], [y - 0.42, y + 0.42], color="black", linewidth=1.2)
     ax.set_yticks(range(len(bars)), [f"{b.name} {tuple(b.shape)}"[:34] for b in bars], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
-    ax.set_xlabel("fraction of the padded buffer")
+    ax.set_xlabel("fraction of the padded buffer" + ("; black ticks: where each tensor of a unit starts"
+                                                     if any(b.members for b in bars) else ""))
     ax.set_title(f"{state}: {spec.strategy}, {spec.world_size} ranks" + (f", mesh {spec.mesh_shape}" if spec.mesh_shape else ""))
     handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in spec.ranks[:16]]
     handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="padding"))
@@ -187,7 +206,7 @@ class OwnershipWidget(StaticFallback, w.VBox):
     def __init__(self, spec: OwnershipSpec, state="params", rank=None, selected=None):
         self.spec, self._busy = spec, True
         editable = spec.inputs is not None
-        self.world = w.IntSlider(value=spec.world_size, min=1, max=16, description="world size",
+        self.world = w.IntSlider(value=spec.world_size, min=1, max=max(16, spec.world_size), description="world size",
                                  continuous_update=False)
         self.strategy = w.Dropdown(options=list(OWNERSHIP_STRATEGIES) + ([] if editable else [spec.strategy]),
                                    value=spec.strategy, description="strategy")

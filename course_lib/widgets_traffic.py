@@ -131,7 +131,8 @@ def _phase_legend() -> str:
 def traffic_text(ledger, analytic=None, title=None) -> str:
     """The plain-text view: per-op comparison (lowest rank, per step) and totals per step and phase."""
     led = as_ledger(ledger)
-    lines = [title or "collective traffic", f"{len(led.filter())} collectives on ranks {led.ranks()}"]
+    where = "all devices (one compiled SPMD program)" if led.ranks() == [-1] else f"ranks {led.ranks()}"
+    lines = [title or "collective traffic", f"{len(led.filter())} collectives on {where}"]
     lines.append(f"{'phase':<10}{'op':<16}{'calls':>6}{'payload V':>14}{'wire':>14}{'analytic':>14}{'ratio':>8}")
     for r in traffic_compare(led, analytic):
         a = "" if r["analytic"] is None else f"{r['analytic']:,.0f}"
@@ -198,17 +199,22 @@ class TrafficWidget(StaticFallback, w.VBox):
         rows = traffic_rows(self.ledger, step=step)
         if change is not None and change["owner"] is self.step:
             self.op.max, self.op.value = max(0, len(rows) - 1), 0
-        seq = sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["x0"], r["rank"]))  # run order
+        seq = sorted(rows, key=lambda r: (r["x0"], r["rank"]))  # run order: aligned time, or program order
         cur = seq[self.op.value] if seq and self.op.value < len(seq) else None
         self.timeline.value = traffic_svg(rows, cur["i"] if cur else None)
         if cur:
-            self.detail.value = (f'<div class="traffic-detail">#{cur["i"]}: rank {cur["rank"]}, step {cur["step"]}, '
+            who = f'rank {cur["rank"]}' if cur["rank"] >= 0 else "all devices"
+            self.detail.value = (f'<div class="traffic-detail">#{cur["i"]}: {who}, step {cur["step"]}, '
                                  f'{cur["phase"] or "no phase"}: <b>{cur["op"]}</b> of {cur["payload"]:,} B payload '
                                  f'({cur["dtype"]}) over {cur["group_size"]} ranks on <b>{_esc(cur["group"])}</b> '
                                  f'= {cur["wire"]:,.0f} wire bytes</div>')
         cmp_ = traffic_compare(self.ledger, self.analytic, rank=self.rank.value, step=step)
-        which = "per step (mean)" if step is None else f"in step {step}"
-        self.compare.value = f"<div><b>Bytes of rank {self.rank.value}, {which}</b></div>" + _compare_html(cmp_)
+        n_steps = len(self.step.options) - 1
+        which = (f"in step {step}" if step is not None else
+                 f"per step (mean of {n_steps})" if n_steps > 1 else "in the whole run")
+        who = f"rank {self.rank.value}" if self.rank.value >= 0 else "every device"
+        self.compare.value = (f"<div><b>Bytes sent by {who}, {which}: measured (ledger, ring formulas) against "
+                              f"analytic (the model)</b></div>" + _compare_html(cmp_))
         self.totals.value = ("<div><b>Wire bytes per step and phase, all ranks</b></div>"
                              + _totals_html(traffic_totals(self.ledger)))
         which_g = "all steps" if step is None else f"step {step}"

@@ -32,7 +32,7 @@ from torch import nn
 from . import ledger_torch
 from .sharding import flat_layout
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "FlatUnit", "ZeRO"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "FlatUnit", "ZeRO", "check_sharded_step", "check_gather_free"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,3 +248,117 @@ class ZeRO:
     def unit_shapes(self) -> list[list[tuple[int, ...]]]:
         """Per unit, the parameter shapes: ``costs.step_cost(f"zero{stage}", zero.unit_shapes(), N)``."""
         return [u.shapes for u in self.units]
+
+
+# ----------------------------------------------------------------------------------------------------
+# lab 02 exercise checks (on a 17x257 -> 257x5 MLP: 5,911 elements, padded at every N > 1)
+# ----------------------------------------------------------------------------------------------------
+def _mlp_and_batch():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(17, 257), nn.Tanh(), nn.Linear(257, 5, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model, torch.randn(8, 17, generator=g), torch.randn(8, 5, generator=g)
+
+
+def _flat(tensors, padded: int) -> torch.Tensor:
+    out = torch.zeros(padded)
+    torch.cat([t.detach().reshape(-1) for t in tensors], out=out[:sum(t.numel() for t in tensors)])
+    return out
+
+
+def _sharded_step_on_rank(fn, lr: float = 1e-2) -> dict:
+    import copy
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, x, y = _mlp_and_batch()
+    ref = copy.deepcopy(model)                                   # one process, whole batch, torch Adam
+    opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    nn.functional.mse_loss(ref(x), y).backward()
+    unit = FlatUnit(list(model.parameters()), r, n, sharded_params=False)
+    pad, S = unit.layout.padded_numel, unit.layout.shard_size
+    out = {"ref_grad": _flat([p.grad for p in ref.parameters()], pad), "S": S, "before": unit.full.clone()}
+    opt.step()
+    out["ref_full"] = _flat(list(ref.parameters()), pad)
+    rows = slice(r * 8 // n, (r + 1) * 8 // n)
+    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()    # this rank's local gradient
+    out["local_grad"] = _flat([p.grad for p in model.parameters()], pad)
+    ledger_torch.recorder().reset()
+    fn(unit.full, out["local_grad"].clone(), unit.shard, torch.optim.Adam([unit.shard], lr=lr))
+    out.update(grad_shard=unit.shard.grad, full=unit.full.clone(), ops=[x.op for x in ledger_torch.recorder().ledger()])
+    return out
+
+
+def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
+    """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
+    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters."""
+    from . import checks
+    from .launch import run
+    with checks.check(name) as c:
+        res = run(_sharded_step_on_rank, fn, world_size=world_size)
+        S = res[0]["S"]
+        for r in range(world_size):
+            got = res[r]["grad_shard"]
+            if got is None:
+                raise AssertionError(f"rank {r}: shard_params.grad is None; set it to the averaged gradient shard")
+            mine = res[r]["ref_grad"][r * S:(r + 1) * S]
+            others = [res[r]["ref_grad"][q * S:(q + 1) * S] for q in range(world_size)]
+            checks.assert_close("shard_params.grad", got, mine, rtol=1e-5, atol=1e-7, rank=r,
+                                hint=[checks.summed_not_averaged(world_size), checks.averaged_twice(world_size),
+                                      checks.skipped_collective([res[q]["local_grad"][r * S:(r + 1) * S]
+                                                                 for q in range(world_size)]),
+                                      lambda g, e: next((f"got is shard {q}'s gradient; rank r owns [r*S, (r+1)*S)"
+                                                         for q, o in enumerate(others) if q != r
+                                                         and torch.allclose(torch.as_tensor(g).float(), o.double().float())), None)])
+            full, ref, before = res[r]["full"], res[r]["ref_full"], res[r]["before"]
+            stale = [q for q in range(world_size) if torch.equal(full[q * S:(q + 1) * S], before[q * S:(q + 1) * S])]
+            if stale and len(stale) < world_size and not torch.allclose(before, ref):
+                raise AssertionError(f"rank {r}: shards {stale} of full_params were never updated: all-gather "
+                                     "the updated shards into full_params after optimizer.step()")
+            checks.assert_close("full_params after the step", full, ref, rtol=1e-5, atol=1e-6, rank=r,
+                                hint=checks.not_updated(before))
+        ops = res[0]["ops"]
+        if "all_reduce" in ops or sorted(set(ops)) != ["all_gather", "reduce_scatter"]:
+            raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: ZeRO needs a reduce_scatter "
+                                 "(each rank keeps only its shard of the gradient) and an all_gather")
+        c.ok(f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather")
+    return bool(c.passed)
+
+
+def _gather_free_on_rank(gather, free) -> dict:
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, x, _ = _mlp_and_batch()
+    ref_out = model(x).detach()
+    unit = FlatUnit(list(model.parameters()), r, n, sharded_params=True)    # full's storage is freed
+    p0, out = unit.params[0], {"padded_bytes": unit.layout.padded_numel * 4, "ref": ref_out}
+    for i in range(2):                                                      # gather, use, free -- twice
+        gather(unit.full, unit.shard)
+        out[f"gathered_bytes{i}"] = p0.untyped_storage().nbytes()
+        out[f"out{i}"] = model(x).detach() if out[f"gathered_bytes{i}"] else None
+        free(unit.full)
+        out[f"freed_bytes{i}"] = p0.untyped_storage().nbytes()
+    return out
+
+
+def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / free") -> bool:
+    """Exercise check: ``gather(full, shard)`` refills the storage the parameters view and all-gathers
+    into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
+    from . import checks
+    from .launch import run
+    with checks.check(name) as c:
+        res = run(_gather_free_on_rank, gather, free, world_size=world_size)
+        for r in range(world_size):
+            o = res[r]
+            for i in range(2):
+                if o[f"gathered_bytes{i}"] != o["padded_bytes"]:
+                    raise AssertionError(
+                        f"rank {r}, gather #{i + 1}: the parameters' storage holds {o[f'gathered_bytes{i}']} bytes, "
+                        f"expected {o['padded_bytes']}: the parameters are views of `full`'s storage, so refill "
+                        "that one (full.untyped_storage().resize_(...)) and all-gather into `full` itself")
+                checks.assert_close(f"model output after gather #{i + 1}", o[f"out{i}"], o["ref"], rtol=1e-5,
+                                    atol=1e-6, rank=r, hint="all-gather every rank's shard into `full`, in rank order")
+                if o[f"freed_bytes{i}"] != 0:
+                    raise AssertionError(f"rank {r}, free #{i + 1}: the parameters' storage still holds "
+                                         f"{o[f'freed_bytes{i}']} bytes; release it: full.untyped_storage().resize_(0)")
+        c.ok(f"gathered {res[0]['padded_bytes']:,} bytes, output matches, freed to 0 bytes, twice")
+    return bool(c.passed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -107,6 +108,20 @@ def jupyter_server(tmp_path):
         shutil.copy(tmp_path / "server.log", ARTIFACTS / "jupyter-server.log")
 
 
+def _wait_for_idle_kernel(page, timeout_s: float = WIDGETS_S):
+    """Until the status bar says the notebook's kernel is idle. The fixture started the kernel through the
+    REST API, so Lab attaches to it; should Lab still ask which kernel to use, accept its choice."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dialog = page.locator(".jp-Dialog .jp-mod-accept")
+        if dialog.count():
+            dialog.first.click()
+        if page.locator(".jp-StatusBar-Item", has_text=re.compile(r"\|\s*Idle")).count():
+            return
+        page.wait_for_timeout(500)
+    raise TimeoutError(f"the notebook's kernel was not idle within {timeout_s} s")
+
+
 def _select(page, widget: str, label: str, option_label: str):
     """Pick ``option_label`` in the ipywidgets Dropdown described ``label`` inside ``widget``."""
     page.locator(f"{widget} .widget-dropdown:has(label:text-is('{label}')) select").select_option(label=option_label)
@@ -125,12 +140,9 @@ def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
             page.set_default_timeout(WIDGETS_S * 1000)
             page.goto(f"{base}/lab/tree/{FIXTURE.name}?token={token}", wait_until="domcontentloaded")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=SERVER_START_S * 1000)
-            # the kernel was started through the API; should Lab still ask which kernel, accept its choice
-            page.wait_for_timeout(1500)
-            if page.locator(".jp-Dialog .jp-mod-accept").count():
-                page.locator(".jp-Dialog .jp-mod-accept").first.click()
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            _wait_for_idle_kernel(page)
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).first.click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).first.click()
 
             own, traf = ".ownership-widget", ".traffic-widget"
             page.wait_for_selector(f"{own} svg.ownership-bars g.slice")

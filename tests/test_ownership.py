@@ -61,7 +61,8 @@ def test_unit_forms_are_equivalent():
     a = what_if([[("w", (4, 3)), ("b", (3,))]], world_size=2, strategy="zero3")
     b = what_if({"unit0": {"w": (4, 3), "b": (3,)}}, world_size=2, strategy="zero3")
     c = what_if({"w": (4, 3), "b": (3,)}, world_size=2, strategy="zero3")   # one unit, as ZeRO flattens
-    assert a.bars == b.bars == c.bars and len(a.bars) == 1
+    d = describe_flat({"unit0": [("w", (4, 3)), ("b", (3,))]}, 2)
+    assert a.bars == b.bars == c.bars == d.bars and len(a.bars) == 1
     assert len(what_if([[(4, 3)], [(3,)]], world_size=2, strategy="zero3").bars) == 2
 
 
@@ -73,6 +74,8 @@ def test_hsdp_shards_over_F_and_replicates_over_R():
     assert [s.owners for s in bar.slices] == [(0, 2), (1, 3)]     # rank = r*F + f: column f holds shard f
     assert [s.where[0] for s in bar.slices] == [(0, 5), (5, 10)]
     assert what_if({"w": (10, 3)}, world_size=8, strategy="hsdp").mesh_shape == (2, 4)  # the default R = 2
+    flat = what_if({"w": (10, 3)}, world_size=4, mesh_shape=(2, 2), strategy="hsdp", layout="flat").bars[0]
+    assert [(s.owners, s.start, s.stop) for s in flat.slices] == [((0, 2), 0, 15), ((1, 3), 15, 30)]
 
 
 def test_state_sharding_follows_the_zero_stages():

@@ -51,6 +51,14 @@ def test_hsdp_stretches_carry_both_replicas_colours():
     assert svg.count('class="slice"') == 2 and svg.count("<title>") == 2
 
 
+def test_flat_units_mark_where_each_tensor_starts():
+    from course_lib.widgets import member_starts
+    spec = describe_flat([[("w1", (5,)), ("b1", (2,))], [("w2", (4, 4))]], 3)
+    assert member_starts(spec.bars[0]) == [("w1", 0.0), ("b1", pytest.approx(5 / 9))]
+    assert member_starts(spec.bars[1]) == [("w2", 0.0)]
+    assert ownership_svg(spec).count('class="member-boundary"') == 1
+
+
 def test_ownership_widget_controls_redraw():
     wd = show_ownership({"w": (10, 3), "b": (3,)}, world_size=4, strategy="fsdp")
     assert isinstance(wd, OwnershipWidget) and wd.spec.world_size == 4
@@ -180,3 +188,18 @@ def test_traffic_widget_steps_through_the_run():
 def test_show_traffic_accepts_dict_rows():
     wd = show_traffic(_ledger().to_dicts())
     assert wd.timeline.value.count('class="collective"') == 12
+
+
+def test_clock_offsets_line_up_ranks_on_collective_ends():
+    from course_lib.traffic import clock_offsets
+    recs = []
+    for r, skew in ((0, 0.0), (1, 0.005)):      # rank 1's clock started 5 ms earlier: its times read 5 ms later
+        for k, op in enumerate(("all_gather", "reduce_scatter", "all_reduce")):
+            t = 0.01 * k + skew
+            recs.append(CollectiveRecord(op, 8, "float32", 2, r, (0, 1), None, t, t + 0.002))
+    led = Ledger(recs)
+    assert clock_offsets(led) == {0: 0.0, 1: pytest.approx(0.005)}
+    rows = traffic_rows(led)
+    assert [r["x0"] for r in rows if r["rank"] == 1] == pytest.approx([r["x0"] for r in rows if r["rank"] == 0])
+    assert [r["start"] for r in rows if r["rank"] == 1][0] == pytest.approx(0.005)   # the record itself is untouched
+    assert traffic_rows(led, align=False)[3]["x0"] == pytest.approx(0.005)

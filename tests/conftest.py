@@ -1,0 +1,14 @@
+"""Shared test set-up.
+
+JAX's CPU device count can only be set before JAX's first computation, and any test module may be the
+first to touch JAX (even at collection time). So the whole pytest process asks for the course's 8
+simulated devices here, before any test module is imported; tests that need another count run in a
+subprocess.
+"""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from course_lib import runtime  # noqa: E402
+
+runtime.setup_jax(8)
