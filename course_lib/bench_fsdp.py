@@ -6,7 +6,8 @@
 The same tiny GPT (awkward sizes: every unit pads), the same data, the same AdamW on every rank. Each
 strategy runs ``warmup`` steps, then ``steps`` timed steps; a step's time is the slowest rank's
 (ranks meet at an unrecorded barrier before each step). Reported per rank: the median step time,
-the peak of live tensor memory during the timed steps (CUDA: ``max_memory_allocated``), the model
+the peak of live tensor memory over 2 more steps (CPU: ``fsdp.MemoryMeter``, which slows ops down, so
+it never runs while timing; CUDA: ``max_memory_allocated``), the model
 state kept between steps (parameters + gradients + AdamW state), and the ledger of one step against
 the analytic formula (:func:`costs.step_cost`: ``padding="flat"`` for ours, ``"dim0"`` for FSDP2).
 
@@ -20,10 +21,20 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from . import costs, launch
+from . import costs, launch, memory
 from .models import GPTConfig
 
 STRATEGIES = ("ours", "fsdp2", "ddp")
+
+
+def shard_gpt(model, mesh=None, *, root_kwargs=None, **kwargs):
+    """FSDP2 on the course GPT, bottom-up: ``fully_shard`` each block, then the root (the reference
+    answer of Lab 04's first exercise). ``kwargs`` go to every call, ``root_kwargs`` to the root's."""
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **{**kwargs, **(root_kwargs or {})})
+    return model
 
 
 def build(strategy: str, cfg: GPTConfig, device="cpu", prefetch: bool = False, dtype=None,
@@ -39,12 +50,13 @@ def build(strategy: str, cfg: GPTConfig, device="cpu", prefetch: bool = False, d
         m = FlatFSDP(model, list(model.blocks), prefetch=prefetch)
         return m, m.unit_shapes()
     if strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         with torch.device("meta"):
             model = TorchGPT(cfg).to(dtype)
-        for block in model.blocks:   # bottom-up: blocks first, then the root
-            fully_shard(block, reshard_after_forward=True)
-        fully_shard(model, reshard_after_forward=True if reshard_root else None)
+        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+        shard_gpt(model, mesh, reshard_after_forward=True,
+                  root_kwargs={"reshard_after_forward": True if reshard_root else None})
         model.to_empty(device=device)
         torch_init_(model, cfg, seed=0)   # every rank computes the same numbers and keeps its shard
         if not prefetch:   # FSDP2 prefetches by default; ours does not unless asked
@@ -61,8 +73,10 @@ def build(strategy: str, cfg: GPTConfig, device="cpu", prefetch: bool = False, d
     raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
 
 
-def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: int, prefetch: bool = False) -> dict:
-    """Run on every rank (``launch.run``): time ``steps`` training steps of ``strategy``."""
+def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: int, prefetch: bool = False,
+               memory_steps: int = 2) -> dict:
+    """Run on every rank (``launch.run``): time ``steps`` training steps of ``strategy``, then measure
+    memory over ``memory_steps`` more (the CPU meter slows every op down, so it never runs while timing)."""
     import time
 
     import torch
@@ -80,31 +94,32 @@ def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: in
     model, units = build(strategy, cfg, device, prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
+    total = warmup + steps + memory_steps
     batches = [tuple(torch.from_numpy(a).to(device) for a in task.rank_batch(s, batch, info.rank, info.world_size))
-               for s in range(warmup + steps)]
+               for s in range(total)]
     meter = MemoryMeter()
-    times, losses, state = [], [], {}
+    times, losses, state = [], [], None
     for s, (x, y) in enumerate(batches):
-        timed = s >= warmup
+        timed, metered = warmup <= s < warmup + steps, s >= warmup + steps
         with lt.paused():
             dist.barrier()
         if s == warmup:
-            meter.track(list(model.parameters()), list(opt.state.values()))
-            meter.reset_peak()
             lt.recorder().reset()
+        if s == warmup + steps:
+            meter.track(list(model.parameters()), list(opt.state.values()))
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
         lt.set_step(s - warmup if timed else None)
         t0 = time.perf_counter()
-        with meter if (timed and not cuda) else _null():
+        with meter if (metered and not cuda) else _null():
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
-            if s == len(batches) - 1:
+            if s == total - 1:
                 state = measured_state(model, opt)   # gradients still held: the 16Ψ/N moment
             opt.zero_grad()
-            if cuda:
-                torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         if timed:
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
@@ -133,9 +148,10 @@ def measure(strategy: str, cfg: GPTConfig, *, ranks: int = 4, steps: int = 20, w
     else:
         analytic = costs.step_cost("fsdp", units, n, padding="flat" if strategy == "ours" else "dim0")
     measured = costs.ledger_wire_bytes(one_step)
+    state_formula = memory.state_bytes("dp" if strategy == "ddp" else "fsdp", analytic.psi_padded, n).total
     return {
         "strategy": strategy, "median_s": statistics.median(step_times),
-        "peak": max(r["peak"] for r in out), "state": out[0]["state"].total,
+        "peak": max(r["peak"] for r in out), "state": out[0]["state"].total, "state_formula": state_formula,
         "counts": dict(one_step.counts()), "wire": measured, "formula": analytic.wire_bytes,
         "ratio": costs.ratio(measured, analytic.wire_bytes), "losses": out[0]["losses"],
         "psi": analytic.psi, "psi_padded": analytic.psi_padded, "backend": out.backend,
@@ -143,12 +159,13 @@ def measure(strategy: str, cfg: GPTConfig, *, ranks: int = 4, steps: int = 20, w
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'strategy':<9}{'median ms':>10}{'peak KiB':>10}{'state KiB':>10}  {'AG':>3}{'RS':>3}{'AR':>3}"
-            f"{'wire B/step':>13}{'formula B':>12}{'ratio':>7}")
+    head = (f"{'strategy':<9}{'median ms':>10}{'peak KiB':>10}{'state KiB':>10}{'/16Ψ/N':>8}  {'AG':>3}{'RS':>3}"
+            f"{'AR':>3}{'wire B/step':>13}{'formula B':>12}{'ratio':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         c = r["counts"]
-        lines.append(f"{r['strategy']:<9}{r['median_s'] * 1e3:>10.2f}{r['peak'] / 1024:>10.1f}{r['state'] / 1024:>10.1f}  "
+        lines.append(f"{r['strategy']:<9}{r['median_s'] * 1e3:>10.2f}{r['peak'] / 1024:>10.1f}{r['state'] / 1024:>10.1f}"
+                     f"{r['state'] / r['state_formula']:>8.4f}  "
                      f"{c.get('all_gather', 0):>3}{c.get('reduce_scatter', 0):>3}{c.get('all_reduce', 0):>3}"
                      f"{r['wire']:>13,.0f}{r['formula']:>12,.0f}{r['ratio']:>7.3f}")
     return "\n".join(lines)
@@ -176,7 +193,8 @@ def main(argv=None) -> int:
     r0 = rows[0]
     print(f"FSDP benchmark: {a.ranks} ranks ({r0['backend']}), {cfg}, global batch {a.batch}, "
           f"{a.steps} timed steps after {a.warmup} warm-up, prefetch={'on' if a.prefetch else 'off'}")
-    print(f"Ψ = {r0['psi']:,} parameters; wire bytes are rank 0's, ring formulas (costs.wire_bytes)")
+    print(f"Ψ = {r0['psi']:,} parameters; wire bytes are rank 0's, ring formulas (costs.wire_bytes); state = "
+          "parameters + gradients + AdamW m, v (+ step counters) on rank 0, against 16·Ψpad/N (DDP: 16·Ψ)")
     print(format_table(rows))
     by = {r["strategy"]: r for r in rows}
     if "ours" in by and "fsdp2" in by:

@@ -318,21 +318,28 @@ def measured_state(model: nn.Module, optimizer=None):
 class MemoryMeter(TorchDispatchMode):
     """Bytes of live tensor storage on this rank, op by op, and their peak.
 
-    CPU tensors have no allocator statistics (no ``max_memory_allocated``), so we count: every
-    storage an op creates is added, and subtracted when Python frees it. ``track(*tensors)`` adds
-    storages made before the meter started (parameters, optimizer state). Views share a storage and
-    count once; buffers a backend keeps internally (gloo's) are not seen.
+    CPU tensors have no allocator statistics (no ``max_memory_allocated``), so we count: every storage
+    an op creates is registered (weakly) and, after every op, the live storages' current sizes are
+    summed -- current, because FSDP2 frees and re-allocates its gathered buffers by resizing their
+    storage in place. ``track(*tensors)`` registers storages made before the meter started
+    (parameters, optimizer state). Views share a storage and count once; buffers a backend keeps
+    internally (gloo's) are not seen. Costs O(live storages) per op: for measuring, not for timing.
     """
 
     def __init__(self):
         super().__init__()
-        self._seen: set[int] = set()
-        self.live = self.peak = 0
+        self._storages: dict[int, weakref.ref] = {}
+        self.peak = 0
+
+    @property
+    def live(self) -> int:
+        return sum(s.nbytes() for s in (r() for r in self._storages.values()) if s is not None)
 
     def track(self, *tensors) -> "MemoryMeter":
         for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
                 self._add(t)
+        self.peak = max(self.peak, self.live)
         return self
 
     def reset_peak(self):
@@ -341,22 +348,16 @@ class MemoryMeter(TorchDispatchMode):
     def _add(self, t: torch.Tensor):
         if hasattr(t, "_local_tensor"):   # a DTensor (FSDP2): its memory is its local shard
             t = t._local_tensor
-        st = t.untyped_storage()
-        key, n = id(st), st.nbytes()
-        if n == 0 or key in self._seen:
+        if t.device.type == "meta":
             return
-        self._seen.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, key, n)
-
-    def _free(self, key, n):
-        self._seen.discard(key)
-        self.live -= n
+        st = t.untyped_storage()
+        if id(st) not in self._storages:
+            self._storages[id(st)] = weakref.ref(st, lambda _, k=id(st): self._storages.pop(k, None))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor):
                 self._add(t)
+        self.peak = max(self.peak, self.live)
         return out

@@ -256,21 +256,26 @@ def check_prefetch(cls, world_size: int = 4, steps: int = 2, name: str = "prefet
 def _fsdp2_on_rank(fn, cfg):
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from . import ledger_torch as lt
     from .data import TokenTask
+    from .launch import rank_info
     from .models import TorchGPT, loss_fn, torch_init_
+    device = torch.device(rank_info().device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     with torch.device("meta"):
         model = TorchGPT(cfg)
-    fn(model)
-    model.to_empty(device="cpu")
+    fn(model, mesh)
+    model.to_empty(device=device)
     torch_init_(model, cfg, seed=0)
     info = {"plain": [n_ for n_, p in model.named_parameters() if not isinstance(p, DTensor)],
             "root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in model.blocks],
             "placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)})}
-    x, y = (torch.from_numpy(a) for a in TokenTask(cfg.vocab_size, cfg.seq_len).rank_batch(0, 8, dist.get_rank(), 4))
+    x, y = (torch.from_numpy(a).to(device) for a in
+            TokenTask(cfg.vocab_size, cfg.seq_len).rank_batch(0, 8, dist.get_rank(), dist.get_world_size()))
     lt.recorder().reset()
     with lt.phase("forward"):
         loss = loss_fn(model(x), y)
@@ -280,7 +285,7 @@ def _fsdp2_on_rank(fn, cfg):
 
 
 def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> bool:
-    """``fn(model)`` applies ``fully_shard`` to every block, then to the root."""
+    """``fn(model, mesh)`` applies ``fully_shard`` over ``mesh`` to every block, then to the root."""
     from .launch import run
     with checks.check(name) as c:
         out = run(_fsdp2_on_rank, fn, LAB_CONFIG, world_size=world_size)
@@ -303,14 +308,19 @@ def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> boo
 # -- Lab 04, exercise 2: explicit prefetch, two units ahead (the seed's example) ---------------------
 def _plan_on_rank(fn, cfg, depth):
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from .launch import rank_info
 
     from .models import TorchGPT
     with torch.device("meta"):
         model = TorchGPT(cfg)
+    mesh = init_device_mesh(rank_info().device.split(":")[0], (dist.get_world_size(),))
     for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     fn(model, depth)
     idx = {id(b._get_fsdp_state()): i for i, b in enumerate(model.blocks)}
     fwd = [[idx.get(id(s), -1) for s in (b._get_fsdp_state()._states_to_forward_prefetch or [])] for b in model.blocks]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["storage_key", "storage_bytes", "StateMeasure", "measure_state", "model_state",
-           "saved_activation_bytes", "allocated_bytes", "check_storage_bytes"]
+           "saved_activation_bytes", "allocated_bytes"]
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -114,43 +114,3 @@ def allocated_bytes(device=None) -> int | None:
     if device is not None and device.type == "cuda" or device is None and torch.cuda.is_initialized():
         return int(torch.cuda.memory_allocated(device))
     return None
-
-
-# ----------------------------------------------------------------------------------------------------
-# lab 02 exercise check
-# ----------------------------------------------------------------------------------------------------
-def _storage_cases() -> list[tuple[str, list, int]]:
-    """(what, tensors, expected bytes): the ways a naive count goes wrong."""
-    flat = torch.zeros(13)                                      # a padded flat buffer: 11 real + 2 padding
-    views = [flat[:6].view(2, 3), flat[6:11]]                   # two parameters viewing it
-    freed = torch.zeros(8)
-    freed_view = freed[2:6]
-    freed.untyped_storage().resize_(0)                          # ZeRO-3 / FSDP: storage released
-    bf16 = torch.zeros(10, dtype=torch.bfloat16)
-    return [
-        ("three separate float32 tensors", [torch.zeros(3), torch.zeros(4, 5), torch.zeros(1)], 4 * 24),
-        ("two views of one padded flat buffer of 13 float32", views, 4 * 13),
-        ("a tensor listed twice, and a view of it", [flat, flat, flat[3:5]], 4 * 13),
-        ("None entries (parameters without a gradient) and a bfloat16 tensor", [None, bf16, None], 2 * 10),
-        ("a view of a freed storage", [freed_view], 0),
-    ]
-
-
-def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
-    """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
-    from . import checks
-    with checks.check(name) as c:
-        for what, tensors, expected in _storage_cases():
-            got = fn(tensors)
-            if got == expected:
-                continue
-            naive = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-            msg = f"{name}({what}) = {got!r}, expected {expected} bytes"
-            if got == naive:
-                msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
-                        "freed memory; count t.untyped_storage().nbytes() once per storage")
-            elif expected and got and got < expected:
-                msg += "\n   likely mistake: a view's own size is not what was allocated: use the whole storage's nbytes()"
-            raise AssertionError(msg)
-        c.ok(f"{len(_storage_cases())} cases: views counted once, padding counted, freed storage = 0 bytes")
-    return bool(c.passed)

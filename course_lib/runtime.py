@@ -102,6 +102,11 @@ def setup_jax(n_devices: int = 8) -> list:
     import jax
 
     if not jax_is_initialised():
+        n_gpu = gpu_count()
+        if 0 < n_gpu < n_devices:
+            # Too few GPUs for the mesh: simulate on the CPU, and make the CPU JAX's default backend
+            # so that jax.devices() / jax.make_mesh see the simulated devices, not the lone GPU.
+            jax.config.update("jax_platforms", "cpu")
         try:
             jax.config.update("jax_num_cpu_devices", n_devices)
         except Exception as exc:  # pragma: no cover - depends on JAX internals
