@@ -333,7 +333,8 @@ class MemoryMeter(TorchDispatchMode):
 
     @property
     def live(self) -> int:
-        return sum(s.nbytes() for s in (r() for r in self._storages.values()) if s is not None)
+        refs = list(self._storages.values())   # a copy: storages die (and leave) while we sum
+        return sum(s.nbytes() for s in (r() for r in refs) if s is not None)
 
     def track(self, *tensors) -> "MemoryMeter":
         for t in tree_leaves(tensors):

@@ -8,7 +8,8 @@ real gloo (CPU) or NCCL (CUDA) backend and writes one :class:`CollectiveRecord` 
 issues a collective -- the learner, DDP, FSDP2, DTensor, DCP -- goes through it.
 
 Times: ``start`` is when the op was issued, ``end`` when its future completed (gloo and NCCL run
-ops asynchronously, so issue order and completion can differ), both in seconds since the recorder
+ops asynchronously, so issue order and completion can differ; gloo's reduce-scatter exposes no
+completion, so its ``end`` is None), both in seconds since the recorder
 was last reset. ``phase`` is "backward" automatically while autograd runs a backward pass,
 otherwise whatever the run marked with :func:`phase` (e.g. "forward", "optimizer"), else None.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import queue
 import threading
 import time
 
@@ -49,42 +49,11 @@ class Recorder:
         self.phase, self.step = None, None
 
     def ledger(self) -> Ledger:
-        if _WATCH is not None:  # let completion times of already-finished works land first
-            drained = threading.Event()
-            _WATCH.put((None, drained))
-            drained.wait(5.0)
         with self._lock:
             return Ledger(list(self.records))
 
 
 _RECORDER = Recorder()
-_WATCH: "queue.SimpleQueue | None" = None
-
-
-def _watch(work, done):
-    """Call ``done`` when ``work`` completes, for works that offer no future.
-
-    One daemon thread waits on them in issue order (``Work.wait`` releases the GIL, and collectives
-    on a group complete in issue order), so the training thread is never blocked by the ledger.
-    """
-    global _WATCH
-    if _WATCH is None:
-        _WATCH = queue.SimpleQueue()
-
-        def loop(q=_WATCH):
-            while True:
-                w, cb = q.get()
-                if w is None:  # a drain marker from Recorder.ledger()
-                    cb.set()
-                    continue
-                try:
-                    w.wait()
-                except Exception:  # the training thread sees the same error from its own wait()
-                    continue
-                cb(None)
-
-        threading.Thread(target=loop, name="ledger-watch", daemon=True).start()
-    _WATCH.put((work, done))
 
 
 def recorder() -> Recorder:
@@ -192,8 +161,13 @@ class LedgerProcessGroup(dist.ProcessGroup):
 
         try:
             work.get_future().add_done_callback(done)
-        except Exception:  # gloo's reduce-scatter work has no future: a watcher thread waits on it
-            _watch(work, done)
+        except Exception:
+            # gloo's reduce-scatter work has no future, and its is_completed() stays False: its end
+            # time is not observable, so it stays None (widgets say "end not recorded"). Calling
+            # wait() from here is no way out: for gloo's reduce-scatter, wait() is what copies this
+            # rank's chunk into the output, so a second wait() would undo the caller's in-place
+            # edits of the output (e.g. out /= N).
+            pass
         return work
 
     # -- collectives: each records its payload V (see ledger.py) and forwards -----------------
