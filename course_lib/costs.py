@@ -262,12 +262,14 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(sizes_bytes, seconds) -> AlphaBeta:
-    """Least squares of ``seconds ≈ α + β · sizes_bytes`` with ``α, β >= 0``.
+    """Least squares of ``seconds ≈ α + β · sizes_bytes`` in *relative* error, with ``α, β >= 0``.
 
     ``sizes_bytes`` are *wire* bytes per measurement (convert payloads with :func:`wire_bytes`).
-    The unconstrained fit is used when both come out non-negative; a negative ``α`` (noise at small
-    sizes) refits through the origin, a negative ``β`` (timings dominated by noise) keeps the mean
-    time as ``α`` -- the exact non-negative least-squares answer for two unknowns.
+    Each point is weighted by ``1/t²`` so a 4 KiB point (milliseconds) counts as much as a 4 MiB
+    one: an unweighted fit lets the largest sizes dominate and can put α above the measured time
+    of the smallest message. A negative ``α`` (noise at small sizes) refits through the origin, a
+    negative ``β`` (timings dominated by noise) keeps the weighted mean time as ``α`` -- the exact
+    non-negative least-squares answer for two unknowns.
     """
     x, t = [float(v) for v in sizes_bytes], [float(v) for v in seconds]
     if len(x) != len(t):
@@ -276,13 +278,15 @@ def fit_alpha_beta(sizes_bytes, seconds) -> AlphaBeta:
         raise ValueError(f"need at least 2 distinct sizes to separate alpha from beta, got {sorted(set(x))}")
     if min(x) < 0 or min(t) < 0:
         raise ValueError("sizes_bytes and seconds must be >= 0")
-    m = len(x)
-    mx, mt = sum(x) / m, sum(t) / m
-    sxx = sum((xi - mx) ** 2 for xi in x)
-    beta = sum((xi - mx) * (ti - mt) for xi, ti in zip(x, t)) / sxx
+    w = [1.0 / max(ti, 1e-12) ** 2 for ti in t]        # relative error: weight 1/t^2
+    sw = sum(w)
+    mx = sum(wi * xi for wi, xi in zip(w, x)) / sw
+    mt = sum(wi * ti for wi, ti in zip(w, t)) / sw
+    sxx = sum(wi * (xi - mx) ** 2 for wi, xi in zip(w, x))
+    beta = sum(wi * (xi - mx) * (ti - mt) for wi, xi, ti in zip(w, x, t)) / sxx
     alpha = mt - beta * mx
     if beta < 0:
         return AlphaBeta(mt, 0.0)
     if alpha < 0:
-        return AlphaBeta(0.0, sum(xi * ti for xi, ti in zip(x, t)) / sum(xi * xi for xi in x))
+        return AlphaBeta(0.0, sum(wi * xi * ti for wi, xi, ti in zip(w, x, t)) / sum(wi * xi * xi for wi, xi in zip(w, x)))
     return AlphaBeta(alpha, beta)

@@ -97,12 +97,7 @@ def _unit_on_rank(fn_cls):
         loss.backward()
         return flat, slots, coef, full, state_fwd
 
-    # The numbers come from an unrecorded pass: the course ledger's completion callbacks can make gloo
-    # rewrite a reduce-scatter's output after wait() returns, which would undo an in-place ÷N (a
-    # harness problem, not the learner's). A second, recorded pass gives the ledger of the ops.
-    with lt.paused():
-        flat, slots, coef, full, state_fwd = one_pass()
-    one_pass()
+    flat, slots, coef, full, state_fwd = one_pass()
     full_ref = torch.cat([p.detach().reshape(-1) for *_, p in slots])
     grad_full = torch.cat([c_.reshape(-1) for c_ in coef] + [torch.zeros(flat.layout.padding)])
     with lt.paused():
@@ -151,8 +146,7 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
 
 
 # -- Lab 03, exercise 3 and 4: the unit lifecycle, then prefetch -------------------------------------
-def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict, record: bool = True,
-                   kinds=("ddp", "fsdp")):
+def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -164,14 +158,14 @@ def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict, record: bool 
     r, n = dist.get_rank(), dist.get_world_size()
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
     out = {}
-    for kind in kinds:
+    for kind in ("ddp", "fsdp"):
         model = torch_gpt(cfg, seed=0)
         m = DDP(model) if kind == "ddp" else cls(model, list(model.blocks), **kwargs)
         opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
         losses, states = [], []
         for s in range(steps):
             x, y = (torch.from_numpy(a) for a in task.rank_batch(s, batch, r, n))
-            with (lt.phase("forward", step=s) if kind == "fsdp" and record else lt.paused()):
+            with (lt.phase("forward", step=s) if kind == "fsdp" else lt.paused()):
                 loss = loss_fn(m(x), y)
                 loss.backward()                   # labelled "backward" by the ledger itself
             opt.step()
@@ -190,9 +184,9 @@ def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict, record: bool 
     return out
 
 
-def _run_fsdp(cls, world_size, steps, kwargs=None, record=True, kinds=("ddp", "fsdp")):
+def _run_fsdp(cls, world_size, steps, kwargs=None):
     from .launch import run
-    return run(_train_on_rank, cls, LAB_CONFIG, steps, 8, kwargs or {}, record, kinds, world_size=world_size)
+    return run(_train_on_rank, cls, LAB_CONFIG, steps, 8, kwargs or {}, world_size=world_size)
 
 
 def _check_ledger(led, units, n, steps, reshard=True):
@@ -230,12 +224,9 @@ def _check_ledger(led, units, n, steps, reshard=True):
 def check_fsdp_class(cls, world_size: int = 4, steps: int = 3, name: str = "MyFSDP") -> bool:
     """``cls(model, units)`` trains the lab's GPT: same losses as DDP, FSDP's ledger, units freed."""
     with checks.check(name) as c:
-        # losses from an unrecorded run (see _unit_on_rank), the ledger from a recorded one
-        quiet = _run_fsdp(cls, world_size, steps, record=False)[0]
-        checks.assert_close(f"{name} losses vs DDP ({steps} steps)", quiet["fsdp"], quiet["ddp"],
-                            **checks.TOLERANCES["fp32"])
-        out = _run_fsdp(cls, world_size, steps, kinds=("fsdp",))
+        out = _run_fsdp(cls, world_size, steps)
         o = out[0]
+        checks.assert_close(f"{name} losses vs DDP ({steps} steps)", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
         if any(o["left"]):
             raise AssertionError("after the step some units are still UNSHARDED → free them after their backward "
                                  "(Unshard.backward calls flat.reshard())")

@@ -166,10 +166,26 @@ def test_fit_alpha_beta_recovers_exact_line():
 
 
 def test_fit_alpha_beta_clamps_negative_values():
-    through_origin = fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.1])  # unconstrained alpha would be < 0
-    assert through_origin.alpha_s == 0 and through_origin.beta_s_per_byte == pytest.approx((0.5 + 4 + 9.3) / 14)
-    flat = fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])  # time falling with size: only alpha is meaningful
-    assert flat == AlphaBeta(2.0, 0.0)
+    x, t = [1, 2, 3], [0.5, 2.0, 3.1]  # unconstrained alpha would be < 0
+    w = [1 / ti**2 for ti in t]        # weights of the relative-error fit
+    through_origin = fit_alpha_beta(x, t)
+    assert through_origin.alpha_s == 0
+    assert through_origin.beta_s_per_byte == pytest.approx(
+        sum(wi * xi * ti for wi, xi, ti in zip(w, x, t)) / sum(wi * xi * xi for wi, xi in zip(w, x)))
+    t = [3.0, 2.0, 1.0]                # time falling with size: only alpha is meaningful
+    flat = fit_alpha_beta(x, t)
+    assert flat.beta_s_per_byte == 0
+    assert flat.alpha_s == pytest.approx(sum(1 / ti for ti in t) / sum(1 / ti**2 for ti in t))
+
+
+def test_fit_alpha_beta_weighs_small_messages_as_much_as_large_ones():
+    """Relative error: the 4 KiB point is not sacrificed to the 4 MiB one (Lab 00's complaint)."""
+    sizes = [4096 * 4**k for k in range(6)]          # 4 KiB .. 4 MiB
+    exact = [5e-4 + 1e-9 * v for v in sizes]
+    noisy = [t * (1.3 if i == 5 else 1.0) for i, t in enumerate(exact)]   # one slow large run
+    fit = fit_alpha_beta(sizes, noisy)
+    assert fit.predict("all_reduce", 0, 4) == pytest.approx(5e-4, rel=0.05)   # alpha barely moved
+    assert abs(fit.alpha_s + fit.beta_s_per_byte * sizes[0] - noisy[0]) / noisy[0] < 0.05
 
 
 def test_fit_alpha_beta_needs_two_sizes():

@@ -11,15 +11,6 @@ from course_lib.fsdp_checks import LAB_CONFIG
 N = 4
 
 
-def _steps_quiet(strategy, steps, dtype):
-    """float64 runs are not recorded: under the course's ledger process group gloo sometimes rewrites a
-    reduce-scatter's output after wait() returns, and FSDP2 divides that output in place for float64
-    (for fp32 it uses ReduceOp.AVG and only reads it). Unrecorded, the collectives are plain gloo."""
-    from course_lib import ledger_torch as lt
-    with lt.paused():
-        return _steps(strategy, steps, dtype)
-
-
 def _steps(strategy, steps, dtype, reshard_root=True):
     import torch
     import torch.distributed as dist
@@ -54,9 +45,9 @@ def _steps(strategy, steps, dtype, reshard_root=True):
 @pytest.fixture(scope="module")
 def runs():
     out = {}
-    for s in ("ours", "fsdp2", "ddp"):
-        out[s, torch.float32] = launch.run(_steps, s, 3, torch.float32, world_size=N)
-        out[s, torch.float64] = launch.run(_steps_quiet, s, 3, torch.float64, world_size=N)
+    for dtype in (torch.float32, torch.float64):
+        for s in ("ours", "fsdp2", "ddp"):
+            out[s, dtype] = launch.run(_steps, s, 3, dtype, world_size=N)
     return out
 
 

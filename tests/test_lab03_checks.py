@@ -99,8 +99,8 @@ def test_unshard_right_and_stub(capsys):
 
 
 def test_unshard_with_an_in_place_division_passes_every_time(capsys):
-    """grad.div_(N) right after the reduce-scatter is a right answer. Under the ledger process group gloo
-    sometimes rewrites a reduce-scatter's output after wait() returns; the check must not blame the learner."""
+    """grad.div_(N) right after the reduce-scatter is a right answer (the course's ledger once re-waited
+    gloo's reduce-scatter, which copied the undivided chunk over it again now and then)."""
     for _ in range(5):
         assert fsdp_checks.check_unshard_function(_make(inplace=True)) is True
 
