@@ -113,7 +113,7 @@ def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_a
         v = numel * 4
         c.ok(f"matches dist.all_reduce on {n} ranks (sum and mean); ledger: {' + '.join(ops)}, "
              f"{2 * wire_bytes('all_gather', v, n):g} wire bytes per rank = all-reduce's "
-             f"{wire_bytes('all_reduce', v, n):g}")
+             f"{wire_bytes('all_reduce', v, n):g} for V = {v} bytes ({numel} floats)")
     return bool(c.passed)
 
 
