@@ -73,7 +73,8 @@ def main(argv=None):
             print("launch failed:", exc)
         fresh.append(time.perf_counter() - t)
     exits = launch._POOLS[(a.ranks, "gloo")].stop() if (a.ranks, "gloo") in launch._POOLS else []
-    print(f"ranks={a.ranks}")
+    import os
+    print(f"ranks={a.ranks}  fork-server preload={os.environ.get('COURSE_LIB_PRELOAD', 'full')}")
     print(f"cold start (new interpreter, import + fork server + {a.ranks} ranks + first all-reduce): "
           f"median {statistics.median(colds):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in colds)})")
     print(f"warm round trip, trivial function: median {statistics.median(warm) * 1e3:.2f} ms, "

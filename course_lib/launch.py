@@ -188,17 +188,33 @@ def _worker(rank: int, world_size: int, backend: str, host: str, port: int, conn
 # ---------------------------------------------------------------------------------------------
 # notebook side
 # ---------------------------------------------------------------------------------------------
+#: What the fork server imports once for every rank. "full" (the default) adds FSDP2/DDP, DTensor,
+#: dynamo (which the first optimizer or DDP imports) and the course's models: 4 ranks importing them on
+#: 2 cores cost 4-7 s per lab, once in the server about 1 s. "minimal" makes the very first call of a
+#: kernel about 1 s faster (2.9 s vs 4 s on the course machine) for labs that never touch those.
+PRELOAD = {
+    "minimal": ["torch", "torch.distributed", "cloudpickle", "course_lib.ledger_torch"],
+    "full": ["torch", "torch.distributed", "cloudpickle", "course_lib.ledger_torch", "torch.distributed.fsdp",
+             "torch.distributed.tensor", "torch.nn.parallel", "torch._dynamo", "torch.optim", "course_lib.models"],
+}
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     # The fork server imports torch once; every rank is then a cheap fork of a process that never
-    # started JAX or CUDA.
-    # FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports) and the course's models
-    # are preloaded too: imported once in the server instead of once per rank (4 ranks importing
-    # them on 2 cores cost 4-7 s per lab); it adds about 0.5 s to the very first call.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "course_lib.ledger_torch",
-                                "torch.distributed.fsdp", "torch.distributed.tensor", "torch.nn.parallel",
-                                "torch._dynamo", "torch.optim", "course_lib.models"])
+    # started JAX or CUDA. COURSE_LIB_PRELOAD=minimal|full picks what else it imports (see PRELOAD).
+    mode = os.environ.get("COURSE_LIB_PRELOAD", "full")
+    if mode not in PRELOAD:
+        raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of {sorted(PRELOAD)}")
+    ctx.set_forkserver_preload(PRELOAD[mode])
     return ctx
+
+
+def _start_fork_server():
+    """Start the fork server now (cheap if it runs): its imports then overlap with the notebook's."""
+    import multiprocessing.forkserver
+    _context()
+    multiprocessing.forkserver.ensure_running()
 
 
 class _Pool:
@@ -393,6 +409,7 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
     if _under_torchrun():
         return _run_under_torchrun(fn, args, kwargs)
+    _start_fork_server()  # before this process imports torch: on a cold start the two imports overlap
     check_torch_version()
     b = choose_backend(world_size, prefer=backend).name
     key = (world_size, b)
