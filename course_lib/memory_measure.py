@@ -27,8 +27,15 @@ __all__ = ["storage_key", "storage_bytes", "StateMeasure", "measure_state", "mod
            "saved_activation_bytes", "allocated_bytes"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's sharded parameter) holds only its local shard in this rank's memory."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Identifies ``t``'s storage: tensors with the same key share memory (the same StorageImpl)."""
+    t = _local(t)
     return (t.device.type, t.device.index, t.untyped_storage()._cdata)
 
 
@@ -43,7 +50,7 @@ def storage_bytes(tensors, exclude=()) -> int:
         key = storage_key(t)
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += _local(t).untyped_storage().nbytes()
     return total
 
 
