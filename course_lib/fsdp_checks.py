@@ -170,10 +170,7 @@ def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict):
                 loss.backward()                   # labelled "backward" by the ledger itself
             opt.step()
             opt.zero_grad()
-            t = loss.detach().clone()
-            with lt.paused():
-                dist.all_reduce(t)
-            losses.append(t.item() / n)
+            losses.append(lt.unrecorded_mean(loss))
             if kind == "fsdp":
                 states.append(sorted({f.state.name for f in m.flats}))
         out[kind] = losses

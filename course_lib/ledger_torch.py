@@ -89,6 +89,18 @@ def paused():
         _RECORDER.enabled = old
 
 
+def unrecorded_mean(value: torch.Tensor, group=None) -> float:
+    """The mean of a scalar (e.g. each rank's loss) over the group, without entering the ledger.
+
+    Reporting a global loss is bookkeeping, not training traffic: recording it would put an extra
+    all-reduce next to the strategy's own collectives and spoil their ratio to the formula.
+    """
+    t = value.detach().clone()
+    with paused():
+        dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
