@@ -1,0 +1,101 @@
+"""Distributed checkpoints in JAX with Orbax: save sharded state, restore it onto another mesh.
+
+The words are :mod:`~course_lib.strategies.checkpoint`'s. What differs from torch DCP:
+
+* **async by default** -- ``CheckpointManager.save`` returns once the arrays are copied to host memory;
+  the files are written in the background. ``wait_until_finished()`` before reading the directory (or
+  exiting). Orbax writes step ``s`` into ``s.orbax-checkpoint-tmp`` and renames it to ``s`` when every
+  host finished (plus ``commit_success.txt``): the same write-then-commit as
+  :mod:`~course_lib.strategies.checkpoint_manager`.
+* **the restore target decides the layout** -- a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` per
+  array. With a ``NamedSharding`` on the new mesh Orbax reads each device's slice straight into place
+  (8 devices -> 4 -> 1). Without a sharding it falls back to the layout saved in the checkpoint: the old
+  mesh, which may not exist here. ``nnx.eval_shape`` gives shapes and dtypes but *drops* shardings
+  (flax#5110), so the targets are built explicitly (:func:`restore_target`).
+* **RNG** -- JAX has no hidden generator state: a key is a value. Derive per-step keys with
+  ``jax.random.fold_in(key, step)`` and the step number is all the RNG state a resume needs.
+
+Importing this module imports neither JAX nor Orbax.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from course_lib.strategies.fsdp_jax import fsdp_spec
+
+__all__ = ["manager", "save", "restore", "restore_target", "train_state", "put_state", "same_arrays",
+           "incomplete_steps"]
+
+
+def manager(directory, keep: int = 2, *, enable_async: bool = True):
+    """An ``ocp.CheckpointManager`` on ``directory`` keeping the newest ``keep`` steps (async saves:
+    call ``.wait_until_finished()`` before reading the files; ``.close()`` when done)."""
+    import orbax.checkpoint as ocp
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r} must be an int >= 1")
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=enable_async)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def train_state(model, optimizer) -> dict:
+    """The pytree that must travel: ``{"model": nnx.state(model), "opt": nnx.state(optimizer)}``
+    (parameters; Adam's ``m``, ``v`` and its step count)."""
+    from flax import nnx
+    return {"model": nnx.state(model), "opt": nnx.state(optimizer)}
+
+
+def put_state(model, optimizer, state: dict) -> None:
+    """Write a restored :func:`train_state` back into ``model`` and ``optimizer`` (in place)."""
+    from flax import nnx
+    nnx.update(model, state["model"])
+    nnx.update(optimizer, state["opt"])
+
+
+def save(mngr, step: int, state, meta: dict | None = None) -> bool:
+    """Save ``state`` (any pytree of arrays) and ``meta`` (JSON: data position, config...) as ``step``.
+    Returns at once (async); the step exists on disk after ``mngr.wait_until_finished()``."""
+    import orbax.checkpoint as ocp
+    return mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta or {})))
+
+
+def restore_target(state, mesh, rule=fsdp_spec, **kw):
+    """The restore target for ``state`` on ``mesh``: per array, ``ShapeDtypeStruct(shape, dtype,
+    sharding=NamedSharding(mesh, rule(shape, mesh.size)))`` -- the reference answer of Lab 07's exercise.
+    ``state`` may hold arrays or ShapeDtypeStructs (from ``nnx.eval_shape``, whose shardings are gone)."""
+    import jax
+    from jax.sharding import NamedSharding
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, rule(tuple(x.shape), mesh.size, **kw))), state)
+
+
+def restore(mngr, step: int, target) -> tuple:
+    """``(state, meta)`` of ``step``, every array laid out as ``target`` says (see :func:`restore_target`)."""
+    import jax
+    import orbax.checkpoint as ocp
+    missing = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]
+               if getattr(x, "sharding", None) is None]
+    if missing:
+        raise ValueError(f"restore target has no sharding for {len(missing)} array(s), e.g. {missing[:3]}: Orbax "
+                         "would put them back on the mesh they were saved from; build the target with "
+                         "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(new_mesh, spec))")
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                      meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+
+def same_arrays(a, b) -> list[str]:
+    """Paths of the arrays of two pytrees whose values differ bit for bit (empty: identical)."""
+    import jax
+    import numpy as np
+    fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
+    if len(fa) != len(fb):
+        return [f"{len(fa)} arrays vs {len(fb)}"]
+    return [jax.tree_util.keystr(p) for (p, x), y in zip(fa, fb)
+            if np.asarray(x).shape != np.asarray(y).shape or not np.array_equal(np.asarray(x), np.asarray(y))]
+
+
+def incomplete_steps(directory) -> list[str]:
+    """Orbax's unfinished saves under ``directory``: ``<step>.orbax-checkpoint-tmp*`` (never listed as steps)."""
+    d = Path(directory)
+    return sorted(p.name for p in d.iterdir() if ".orbax-checkpoint-tmp" in p.name) if d.is_dir() else []

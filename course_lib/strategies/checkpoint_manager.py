@@ -1,0 +1,238 @@
+"""Checkpoints that survive faults: numbered DCP saves written then committed, verified, the last K kept.
+
+What a careful trainer does around :mod:`~course_lib.strategies.checkpoint` (the words are defined there):
+
+* **write, then commit** -- step ``s`` is written into ``<root>/step_<s>.partial``. Only after every rank
+  finished (DCP wrote ``.metadata``, its own commit) does rank 0 record each file's size and CRC-32 in
+  ``COMMIT.json`` and rename the directory to ``<root>/step_<s>`` -- one atomic ``rename``. A crash at any
+  moment leaves either the previous committed step (still loadable) or a ``.partial`` directory that no
+  one mistakes for a checkpoint. Orbax does the same (``<step>.orbax-checkpoint-tmp`` -> ``<step>`` and
+  ``commit_success.txt``).
+* **verify before load** -- :func:`verify` checks, for the one directory, that ``.metadata`` exists, that
+  every file it names exists and is long enough, and that every byte still has the CRC recorded at
+  commit. Errors name the file and what is wrong: DCP itself would fail on a truncated file with an
+  unpickling error, and would load a corrupted one silently.
+* **keep the last K** -- after a commit, older steps are deleted, but never the newest one that
+  verifies (if the newest committed step were damaged, the one before it would be the only good one).
+* **async** -- ``save(..., blocking=False)`` calls ``dcp.async_save`` on the manager's *own* gloo group:
+  it needs a CPU-capable group, and its collectives (run in a background thread) must not interleave
+  with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
+  commits.
+
+Reusable by a training script: ``ckpt = Checkpointer(root, keep=2)`` on every rank, then
+``ckpt.save(step, {"app": AppState(model, opt, sched, data)})`` and, at start-up,
+``step = ckpt.load_latest({"app": AppState(...)})``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+from course_lib.strategies.checkpoint import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
+
+__all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "verify", "crc32_file", "step_dir", "COMMIT_FILE"]
+
+COMMIT_FILE = "COMMIT.json"   #: written last inside the directory, just before the rename that commits it
+PARTIAL = ".partial"          #: suffix of a directory being written (or abandoned by a crash)
+_CHUNK = 1 << 20              # CRC in 1 MiB pieces: a checkpoint file may not fit in memory twice
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint directory that must not be loaded; the message names the file and what is wrong."""
+
+
+def crc32_file(path) -> int:
+    """CRC-32 of a file's bytes (zlib's; a checksum against accidents, not an attacker)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def step_dir(root, step: int, partial: bool = False) -> Path:
+    """``<root>/step_00000012`` (or ``...partial``): zero-padded so that names sort as numbers."""
+    return Path(root) / (f"step_{step:08d}" + (PARTIAL if partial else ""))
+
+
+def verify(path) -> dict:
+    """Raise :class:`CheckpointCorrupt` unless the DCP checkpoint at ``path`` is complete and intact.
+
+    Checks, naming the first bad file: ``.metadata`` present (else the save never finished); every file
+    the metadata points into present and at least as long as the furthest byte it needs (else truncated);
+    and, when ``COMMIT.json`` is there, every file's size and CRC-32 as recorded at commit (else the
+    bytes changed after the save). Returns the commit record (``{}`` for an uncommitted directory)."""
+    path = Path(path)
+    try:
+        meta = read_metadata(path)
+    except FileNotFoundError as e:
+        raise CheckpointCorrupt(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - an unreadable .metadata is as bad as a missing one
+        raise CheckpointCorrupt(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e}); "
+                                "the file is truncated or corrupted") from None
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointCorrupt(f"{f} is missing: .metadata places tensor data in it")
+        if (size := f.stat().st_size) < end:
+            raise CheckpointCorrupt(f"{f} is truncated: {size:,} bytes on disk, but .metadata needs bytes up to "
+                                    f"{end:,}")
+    commit_file = path / COMMIT_FILE
+    if not commit_file.is_file():
+        return {}
+    record = json.loads(commit_file.read_text())
+    for name, (size, crc) in sorted(record["files"].items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointCorrupt(f"{f} is missing (it was there at commit)")
+        if f.stat().st_size != size:
+            raise CheckpointCorrupt(f"{f} has {f.stat().st_size:,} bytes, {size:,} at commit: truncated or rewritten")
+        if (got := crc32_file(f)) != crc:
+            raise CheckpointCorrupt(f"{f} is corrupted: CRC-32 {got:08x}, {crc:08x} at commit (same size, "
+                                    "different bytes)")
+    return record
+
+
+class Checkpointer:
+    """Numbered checkpoints under ``root``, written then committed, the newest ``keep`` kept.
+
+    Construct on every rank (it creates its own gloo group, a collective). ``group``: the ranks that save
+    together (default: all). Every method that writes or reads is collective over them.
+    """
+
+    def __init__(self, root, keep: int = 2, *, group=None):
+        import torch.distributed as dist
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r} must be an int >= 1: the newest good checkpoint is never deleted")
+        self.root, self.keep, self._pending = Path(root), keep, None
+        self.distributed = dist.is_initialized()
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        # async_save asserts a CPU-capable group, and runs collectives from a background thread: its own
+        # gloo group keeps them apart from the training's (interleaved collectives deadlock or mix data)
+        self.group = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- what is on disk --------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (``.partial`` directories are not checkpoints)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name[5:]) for p in self.root.iterdir()
+                      if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit())
+
+    def incomplete(self) -> list[Path]:
+        """Directories of saves that never committed (a crash, or one in flight)."""
+        return sorted(p for p in self.root.glob(f"step_*{PARTIAL}")) if self.root.is_dir() else []
+
+    def latest(self) -> int | None:
+        """The newest committed step that passes :func:`verify`, or None."""
+        for step in reversed(self.steps()):
+            try:
+                verify(step_dir(self.root, step))
+                return step
+            except CheckpointCorrupt:
+                continue
+        return None
+
+    # -- save ---------------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, *, blocking: bool = True) -> None:
+        """Write ``state`` as step ``step``; commit now (``blocking``) or in :meth:`wait` (async).
+        Blocking time of an async save: staging, i.e. copying every tensor once, in this thread."""
+        import torch.distributed.checkpoint as dcp
+        self.wait()                                        # one save in flight at a time
+        tmp = step_dir(self.root, step, partial=True)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)         # debris of an earlier crash at the same step
+        self._barrier()
+        kw = {"checkpoint_id": os.fspath(tmp), "process_group": self.group, "no_dist": not self.distributed}
+        with quiet_single_process():
+            if blocking:
+                dcp.save(state, **kw)
+                self._pending = (step, None)
+            else:
+                self._pending = (step, dcp.async_save(state, **kw))
+        if blocking:
+            self.wait()
+
+    def wait(self) -> int | None:
+        """Finish the save in flight (if any): wait for its files, commit, prune. Returns its step."""
+        if self._pending is None:
+            return None
+        step, future = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()                                # every rank's file and .metadata are written
+        self._commit(step)
+        self._prune()
+        return step
+
+    def _commit(self, step: int) -> None:
+        import torch.distributed as dist
+        tmp = step_dir(self.root, step, partial=True)
+        mine = {f.name: [f.stat().st_size, crc32_file(f)] for f in tmp.iterdir()
+                if f.name.startswith(f"__{self.rank}_")}  # each rank checksums the file it wrote
+        every = [None] * dist.get_world_size(self.group) if self.distributed else [mine]
+        if self.distributed:
+            dist.all_gather_object(every, mine, group=self.group)
+        if self.rank == 0:
+            files = {k: v for d in every for k, v in d.items()}
+            files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
+            record = {"step": step, "world_size": len(every), "files": files}
+            with open(tmp / COMMIT_FILE, "w") as f:
+                json.dump(record, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            final = step_dir(self.root, step)
+            if final.exists():                             # saving a step again replaces it
+                shutil.rmtree(final)
+            os.rename(tmp, final)                          # the commit: atomic on one filesystem
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)                               # make the rename itself durable
+            finally:
+                os.close(fd)
+        self._barrier()
+
+    def _prune(self) -> None:
+        if self.rank == 0:
+            steps = self.steps()
+            good = self.latest()
+            for s in steps[:-self.keep]:
+                if s != good:                              # never delete the newest good checkpoint
+                    shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
+        self._barrier()
+
+    # -- load ---------------------------------------------------------------------------------------------
+    def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
+        """Verify step ``step`` (default: :meth:`latest`), check it fits ``state``, load in place.
+        Returns the step. Raises :class:`CheckpointCorrupt` / :class:`CheckpointMismatch` naming what."""
+        import torch.distributed.checkpoint as dcp
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise FileNotFoundError(f"no committed, intact checkpoint under {self.root} "
+                                        f"(steps {self.steps()}, incomplete {[p.name for p in self.incomplete()]})")
+        path = step_dir(self.root, step)
+        verify(path)
+        check_compatible(state, path, strict=strict)
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=os.fspath(path), process_group=self.group, no_dist=not self.distributed)
+        return step
+
+    def load_latest(self, state: dict, *, strict: bool = True) -> int | None:
+        """:meth:`load` the newest good step and return it; None (state untouched) when there is none."""
+        return None if self.latest() is None else self.load(state, strict=strict)
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+
