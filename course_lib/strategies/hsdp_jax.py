@@ -1,0 +1,168 @@
+"""HSDP and FSDP × tensor parallel in JAX: 2-D meshes, their placements, and HSDP by hand with ``shard_map``.
+
+Words are those of :mod:`course_lib.strategies.hsdp` (sharding factor F, replicate factor R, shard group,
+replica group); the JAX mesh names its axes ``('replicate', 'fsdp')`` -- ``'fsdp'`` is the shard axis, as in
+:mod:`course_lib.strategies.fsdp_jax`, so every FSDP rule there works unchanged with ``n = F``.
+
+* **automatic HSDP** -- :func:`hsdp_mesh`, :func:`hsdp_rule`: parameters ``P('fsdp')`` (cut over F, copied over
+  R), the batch cut over *both* axes ``P(('replicate', 'fsdp'))``; one ``jit``, the partitioner inserts the
+  collectives; ``jax_ledger.from_compiled(compiled, mesh)`` names the axis each one spans.
+* **HSDP by hand** -- :func:`shard_map_hsdp_step`: ``all_gather`` over ``'fsdp'`` before use, the local
+  gradient ``psum_scatter``-ed over ``'fsdp'`` and then ``psum``-ed over ``'replicate'`` -- FSDP2's
+  reduce-scatter + all-reduce, written out. ``check_vma=False`` so JAX adds no psum of its own: every
+  collective in the program is one written here.
+* **FSDP × tensor parallel** -- :func:`fsdp_tp_spec`: a 2-D kernel ``P('fsdp', 'tensor')`` (the JAX/Flax NNX
+  FSDP guide's hybrid), so a device holds ``1/(F·T)`` of it; the batch is cut over ``'fsdp'`` only (the T
+  devices of a tensor group compute on the same rows, each with its slice of the features).
+
+Importing this module does not import JAX.
+"""
+from __future__ import annotations
+
+import math
+
+from course_lib.strategies.fsdp_jax import MIN_SIZE, all_gather_shard, fsdp_spec, sharded_dim
+
+__all__ = ["HSDP_AXES", "TP_AXES", "hsdp_mesh", "hsdp_rule", "batch_spec", "shard_map_hsdp_step", "fsdp_tp_spec",
+           "fsdp_tp_rule", "tp_mesh", "bytes_per_device", "check_tp_spec"]
+
+HSDP_AXES = ("replicate", "fsdp")   #: the HSDP mesh: R copies (axis 0) of a model cut F ways (axis 1)
+TP_AXES = ("fsdp", "tensor")        #: the FSDP × TP mesh of the JAX FSDP guide
+
+
+def _mesh(shape, names, devices):
+    import jax
+    from jax.sharding import AxisType
+    if devices is None:
+        devices = jax.devices()[:math.prod(shape)]
+    if len(devices) != math.prod(shape):
+        raise ValueError(f"{names[0]}({shape[0]}) * {names[1]}({shape[1]}) = {math.prod(shape)} != "
+                         f"{len(devices)} devices; pick factors whose product is the device count")
+    return jax.make_mesh(tuple(shape), names, axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def hsdp_mesh(replicate: int, fsdp: int, devices=None):
+    """``jax.make_mesh((R, F), ('replicate', 'fsdp'))`` with Auto axes (the partitioner places what we do
+    not pin). Device ``r·F + f`` is at ``[r, f]``: consecutive devices share a shard group, as ranks do in torch."""
+    for k, v in (("replicate", replicate), ("fsdp", fsdp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k}={v!r} must be a positive int")
+    return _mesh((replicate, fsdp), HSDP_AXES, devices)
+
+
+def tp_mesh(fsdp: int, tensor: int, devices=None):
+    """``jax.make_mesh((F, T), ('fsdp', 'tensor'))``: device ``f·T + t``; a tensor group is T consecutive devices."""
+    return _mesh((fsdp, tensor), TP_AXES, devices)
+
+
+def hsdp_rule(fsdp: int, min_size: int = MIN_SIZE):
+    """A rule for :mod:`fsdp_jax` (``rule(shape, n, **kw)``) that cuts over the ``'fsdp'`` axis's F devices
+    whatever ``n`` (the mesh size R·F) it is handed: the parameter is copied along ``'replicate'``."""
+    def rule(shape, n=None, **kw):
+        return fsdp_spec(shape, fsdp, min_size=kw.get("min_size", min_size))
+    rule.__name__ = f"hsdp_rule(F={fsdp})"
+    return rule
+
+
+def batch_spec(mesh):
+    """Rows of the batch cut over every data-parallel axis: ``P(('replicate', 'fsdp'))`` for HSDP,
+    ``P('fsdp')`` for FSDP × TP (the tensor axis shares rows)."""
+    from jax.sharding import PartitionSpec as P
+    names = tuple(mesh.axis_names)
+    return P(("replicate", "fsdp")) if names == HSDP_AXES else P("fsdp")
+
+
+def shard_map_hsdp_step(graphdef, tx, mesh, specs, opt_specs):
+    """One HSDP step per device under ``jax.shard_map``: ``step(params, opt_state, x, y)``.
+
+    Per device: all-gather each cut parameter over ``'fsdp'``; the local mean loss scaled by 1/N (N = R·F)
+    so the SUMs below are the gradient of the global mean; gradients of the *gathered* parameters, then
+    ``psum_scatter`` over ``'fsdp'`` (reduce-scatter inside the shard group) and ``psum`` over ``'replicate'``
+    (the all-reduce across replica groups) -- replicated small parameters get one ``psum`` over both axes.
+    """
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    n = mesh.shape["replicate"] * mesh.shape["fsdp"]
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+
+    def reduce_grad(g, s):
+        d = sharded_dim(s)
+        if d is None:                                          # replicated: sum over every device
+            return jax.lax.psum(g, ("replicate", "fsdp"))
+        g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=d, tiled=True)   # shard group: reduce-scatter
+        return jax.lax.psum(g, "replicate")                                    # replica group: all-reduce
+
+    def body(params, opt_state, x, y):
+        full = jax.tree.map(lambda w, s: w if sharded_dim(s) is None else all_gather_shard(w, sharded_dim(s)),
+                            params, specs, is_leaf=is_spec)
+
+        def local_loss(p):
+            logits = nnx.merge(graphdef, p)(x)                 # [B/N, T, V] this device's rows
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() / n
+        loss, g_full = jax.value_and_grad(local_loss)(full)
+        grads = jax.tree.map(reduce_grad, g_full, specs, is_leaf=is_spec)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.psum(loss, ("replicate", "fsdp"))
+
+    data = P(("replicate", "fsdp"))
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, opt_specs, data, data), out_specs=(specs, opt_specs, P()),
+                         check_vma=False)
+
+
+# -- FSDP × tensor parallel ------------------------------------------------------------------------------
+def fsdp_tp_spec(shape, fsdp: int, tensor: int, *, min_size: int = MIN_SIZE):
+    """The FSDP × TP placement of a parameter of ``shape``: a 2-D array of ``min_size`` elements or more is
+    ``P('fsdp', 'tensor')`` -- rows cut over F, columns over T, ``1/(F·T)`` per device -- when both divide;
+    anything else falls back to FSDP alone over ``'fsdp'`` (:func:`fsdp_spec`), small ones are replicated."""
+    from jax.sharding import PartitionSpec as P
+    shape = tuple(shape)
+    if len(shape) == 2 and math.prod(shape) >= min_size and shape[0] % fsdp == 0 and shape[1] % tensor == 0:
+        return P("fsdp", "tensor")
+    return fsdp_spec(shape, fsdp, min_size=min_size)
+
+
+def fsdp_tp_rule(fsdp: int, tensor: int, min_size: int = MIN_SIZE, spec=None):
+    """:func:`fsdp_tp_spec` (or the learner's ``spec(shape, fsdp, tensor)``) as an :mod:`fsdp_jax` rule."""
+    spec = spec or (lambda shape, f, t: fsdp_tp_spec(shape, f, t, min_size=min_size))
+
+    def rule(shape, n=None, **kw):
+        return spec(tuple(shape), fsdp, tensor)
+    return rule
+
+
+def bytes_per_device(tree) -> list[int]:
+    """Bytes of ``tree``'s arrays held by each device (addressable shards), in device-id order."""
+    import jax
+    held: dict = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            held[s.device.id] = held.get(s.device.id, 0) + s.data.nbytes
+    return [held[k] for k in sorted(held)]
+
+
+def check_tp_spec(spec, shape, fsdp: int, tensor: int) -> str | None:
+    """What is wrong with ``spec`` for a big 2-D ``shape`` on an (F, T) mesh, or None when it is
+    ``P('fsdp', 'tensor')``. Used by the lab's check to name the mistake."""
+    from jax.sharding import PartitionSpec as P
+    if not isinstance(spec, P):
+        return f"returned {type(spec).__name__} {spec!r}, not a PartitionSpec"
+    entries = [e if isinstance(e, tuple) else (e,) for e in tuple(spec)] + [()] * 2
+    flat = [a for e in entries for a in e if a is not None]
+    if len(flat) != len(set(flat)):
+        return f"{spec} names a mesh axis twice; each axis may cut at most one dimension"
+    if any(len([a for a in e if a is not None]) > 1 for e in entries):
+        return (f"{spec} cuts one dimension over both axes: that is FSDP over F·T devices (same memory), not "
+                "tensor parallelism: the T devices of a tensor group would no longer share rows of the same matmul")
+    got = tuple(e[0] if e and e[0] is not None else None for e in entries[:2])
+    if got == ("tensor", "fsdp"):
+        return f"{spec} swaps the axes: rows go to 'fsdp' and columns (output features) to 'tensor'"
+    if "tensor" not in flat or "fsdp" not in flat:
+        missing = [a for a in TP_AXES if a not in flat]
+        return (f"{spec} leaves {shape} uncut on {missing}: the kernel is replicated along that axis, so a "
+                f"device holds {1 / (fsdp if 'fsdp' in flat else 1) / (tensor if 'tensor' in flat else 1):.3g} of it, "
+                f"not 1/(F·T) = 1/{fsdp * tensor}")
+    if got != ("fsdp", "tensor"):
+        return f"{spec}: expected P('fsdp', 'tensor')"
+    return None
