@@ -1,19 +1,32 @@
-"""course_lib: the small library behind the fsdp-course labs.
+"""course_lib: the small library behind the fsdp-course labs, in ten layers.
 
-Layers (a lower one never imports a higher one):
-1. runtime  -- devices, backend choice, JAX simulated devices      (runtime.py)
-2. launch   -- run a notebook function on N ranks                   (launch.py)
-3. ledger   -- every collective a run issued                        (ledger.py, ledger_torch.py, ledger_jax.py)
-4. maths    -- sharding/padding, communication cost, memory         (sharding.py, costs.py, memory.py)
-5. models and data                                                  (models.py, data.py)
-6. strategies, 7. checks, 8. widgets, 9. authoring
+A module imports only its own layer and lower ones (``tests/test_layers.py`` enforces it, with no
+cycles and no private names borrowed across modules). Lowest first::
+
+  10 authoring/   labs (solution -> lab), validate, run (run-solutions), cli (python -m course_lib)
+   9 bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP)
+   8 widgets/     base, ownership (who owns which slice), traffic (what each collective moved)
+   7 checks/      core (✅ ⏳ ❌), compare (tolerances, likely mistakes), lab00 ... labNN
+   6 strategies/  collectives, dp, zero, fsdp (from scratch), fsdp2, fsdp_jax, hsdp,
+                  memory_meter (measured bytes), describe (ownership of real sharded models)
+   5 models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)
+   4 launch/      pool (run a notebook function on N ranks), rank (the rank side), results
+   3 maths/       strategy (which strategy shards what: the one table), sharding (padding), costs
+                  (bytes per collective and step, α-β), memory (bytes per rank), ownership, traffic
+   2 comm/        ledger (record types), shim (flat all-gather / reduce-scatter), torch_ledger
+                  (c10d-level capture), jax_ledger (collectives from compiled HLO)
+   1 runtime/     devices (backend choice, JAX simulated devices)
+
+Top-level modules are entry points: this one (the public API below), ``__main__`` and the scripts
+run under torchrun (``torchrun_demo``). Vocabulary (sharded parameter, all-gather output, padding,
+unit, payload V) is defined once, in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 
 Importing this package imports neither torch's distributed machinery nor JAX, so a lab can set the
 number of simulated JAX devices after ``import course_lib``.
 """
-from .launch import LaunchTimeout, RankError, rank_info, run, shutdown
-from .ledger import CollectiveRecord, Ledger
-from .runtime import banner, choose_backend, describe, setup_jax
+from course_lib.launch import LaunchTimeout, RankError, rank_info, run, shutdown
+from course_lib.comm.ledger import CollectiveRecord, Ledger
+from course_lib.runtime.devices import banner, choose_backend, describe, setup_jax
 
 __all__ = [
     "run", "rank_info", "shutdown", "RankError", "LaunchTimeout",

@@ -24,7 +24,8 @@ def _step():
 
 
 def main():
-    from course_lib import costs, run
+    from course_lib.maths import costs
+    from course_lib import run
     out = run(_step)
     world = len(out)
     if int(os.environ.get("RANK", "0")) == 0:

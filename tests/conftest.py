@@ -9,6 +9,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from course_lib import runtime  # noqa: E402
+from course_lib.runtime import devices  # noqa: E402
 
-runtime.setup_jax(8)
+devices.setup_jax(8)

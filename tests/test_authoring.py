@@ -22,7 +22,7 @@ def notebook(*cells, header=HEADER) -> nbformat.NotebookNode:
     """A solution notebook: header, setup cell printing the banner, then ``cells`` (code strings)."""
     nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                "language": "python"}})
-    nb.cells = [new_markdown_cell(header), new_code_cell("from course_lib import runtime\nprint(runtime.banner())")]
+    nb.cells = [new_markdown_cell(header), new_code_cell("import course_lib\nprint(course_lib.banner())")]
     nb.cells += [c if isinstance(c, dict) else new_code_cell(c) for c in cells]
     return nb
 
@@ -179,7 +179,7 @@ def test_validate_catches_kernel_banner_name_and_markers(tmp_path, capsys):
     write(tmp_path, "dp.ipynb", nb)
     assert main(["validate", "--dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    for expected in ("kernelspec.name must be 'python3'", "print runtime.banner()", "NN_name.ipynb",
+    for expected in ("kernelspec.name must be 'python3'", "print course_lib.banner()", "NN_name.ipynb",
                      "cells[2] line 2: '### BEGIN SOLUTION' is never closed"):
         assert expected in out
 

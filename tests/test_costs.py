@@ -4,10 +4,11 @@ import math
 
 import pytest
 
-from course_lib import costs, sharding
-from course_lib.costs import (AlphaBeta, fit_alpha_beta, ledger_wire_bytes, padded_numel, ratio,
+from course_lib.maths import costs
+from course_lib.maths import sharding
+from course_lib.maths.costs import (AlphaBeta, fit_alpha_beta, ledger_wire_bytes, padded_numel, ratio,
                               record_wire_bytes, step_cost, wire_bytes)
-from course_lib.ledger import CollectiveRecord, Ledger
+from course_lib.comm.ledger import CollectiveRecord, Ledger
 
 
 def test_docstrings_run():

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from course_lib.data import TokenTask
+from course_lib.models.data import TokenTask
 
 TASK = TokenTask(vocab_size=67, seq_len=30, seed=0)
 

@@ -1,13 +1,14 @@
-"""Our from-scratch FSDP (course_lib.fsdp) on real gloo ranks: padding, gradient shards, parity with
+"""Our from-scratch FSDP (course_lib.strategies.fsdp) on real gloo ranks: padding, gradient shards, parity with
 DDP, the ledger against the formula (exactly), and memory against 16·Ψpad/N."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from course_lib import costs, launch
-from course_lib.fsdp_checks import LAB_CONFIG
-from course_lib.sharding import padded_size
+from course_lib.maths import costs
+from course_lib import launch
+from course_lib.models import LAB_CONFIG
+from course_lib.maths.sharding import padded_size
 
 N = 4
 
@@ -28,7 +29,7 @@ def _flat_facts():
     import torch
     import torch.distributed as dist
 
-    from course_lib.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp import FlatFSDP
     torch.manual_seed(0)
     net = _Net()
     full = {k: v.detach().clone() for k, v in net.named_parameters()}
@@ -58,8 +59,8 @@ def _grad_shards():
     import torch
     import torch.distributed as dist
 
-    from course_lib import ledger_torch as lt
-    from course_lib.fsdp import FlatFSDP
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.strategies.fsdp import FlatFSDP
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     plain, net = _Net(), _Net()
@@ -92,9 +93,10 @@ def _train(kind, steps, dtype, cls=None, kwargs=None, net="gpt"):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from course_lib import ledger_torch as lt
-    from course_lib.data import TokenTask
-    from course_lib.fsdp import FlatFSDP, measured_state
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.models.data import TokenTask
+    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.memory_meter import model_state
     from course_lib.models import loss_fn, torch_gpt
     r, n = dist.get_rank(), dist.get_world_size()
     cfg = LAB_CONFIG
@@ -118,7 +120,7 @@ def _train(kind, steps, dtype, cls=None, kwargs=None, net="gpt"):
         loss.backward()
         opt.step()
         if s == steps - 1 and kind == "fsdp":
-            state = measured_state(m, opt)
+            state = model_state(m, opt)
         opt.zero_grad()
         losses.append(lt.unrecorded_mean(loss))
     with lt.paused():
@@ -169,7 +171,7 @@ def test_ledger_bytes_equal_the_formula_exactly_and_memory_is_16_psi_pad_over_n(
 
 
 def _extra_gather_cls():
-    from course_lib.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp import FlatFSDP
 
     class ExtraGather(FlatFSDP):
         """Deliberately wrong: frees and gathers again at the start of every unit's backward."""
@@ -210,7 +212,7 @@ def test_reshard_after_forward_false_and_prefetch():
 
 def test_units_must_be_submodules_that_own_parameters():
     def bad():
-        from course_lib.fsdp import FlatFSDP
+        from course_lib.strategies.fsdp import FlatFSDP
         net = _Net()
         for units in ([torch.nn.Linear(2, 2)], [net], [net.a, net.a]):
             try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import costs, launch
-from course_lib.fsdp_checks import LAB_CONFIG
+from course_lib.maths import costs
+from course_lib import launch
+from course_lib.models import LAB_CONFIG
 
 N = 4
 
@@ -15,10 +16,10 @@ def _steps(strategy, steps, dtype, reshard_root=True):
     import torch
     import torch.distributed as dist
 
-    from course_lib import ledger_torch as lt
-    from course_lib.bench_fsdp import build
-    from course_lib.data import TokenTask
-    from course_lib.fsdp import gathered_parameters
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.strategies.fsdp2 import build
+    from course_lib.models.data import TokenTask
+    from course_lib.strategies.fsdp import gathered_parameters
     from course_lib.models import loss_fn
     r, n = dist.get_rank(), dist.get_world_size()
     model, units = build(strategy, LAB_CONFIG, dtype=dtype, reshard_root=reshard_root)

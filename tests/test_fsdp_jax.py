@@ -1,4 +1,4 @@
-"""course_lib.fsdp_jax: sharding rules, the jit (GSPMD) FSDP step and the shard_map FSDP step.
+"""course_lib.strategies.fsdp_jax: sharding rules, the jit (GSPMD) FSDP step and the shard_map FSDP step.
 
 Everything that computes runs in ONE subprocess with 8 simulated CPU devices: the device count must be set
 before JAX starts, and another test in this pytest process may already have started JAX with another
@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib import fsdp_jax
+from course_lib.strategies import fsdp_jax
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_does_not_import_jax():
-    code = "import sys, course_lib, course_lib.fsdp_jax; print('jax' in sys.modules)"
+    code = "import sys, course_lib, course_lib.strategies.fsdp_jax; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -45,8 +45,11 @@ SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, optax
     from flax import nnx
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from course_lib import costs, fsdp_jax, ledger_jax, models
-    from course_lib.data import TokenTask
+    from course_lib.maths import costs
+    from course_lib.strategies import fsdp_jax
+    from course_lib.comm import jax_ledger
+    from course_lib import models
+    from course_lib.models.data import TokenTask
 
     out, K, B = {}, 3, 32
     tx = optax.adamw(3e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -92,8 +95,8 @@ SCRIPT = textwrap.dedent('''
     specs, sm_compiled, out["shard_map"] = run_shard_map(cfg, mesh, gather=fsdp_jax.gather_vjp())
     _, _, out["shard_map_autodiff"] = run_shard_map(cfg, mesh)
 
-    out["jit_counts"] = dict(ledger_jax.from_compiled(compiled.compiled, mesh).counts())
-    sm_ledger = ledger_jax.from_compiled(sm_compiled, mesh)
+    out["jit_counts"] = dict(jax_ledger.from_compiled(compiled.compiled, mesh).counts())
+    sm_ledger = jax_ledger.from_compiled(sm_compiled, mesh)
     out["sm_counts"] = dict(sm_ledger.counts())
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     sharded = [x.shape for x in leaves if fsdp_jax.sharded_dim(x.sharding.spec) is not None]
@@ -116,7 +119,7 @@ SCRIPT = textwrap.dedent('''
     out["forward_err"] = [float(np.abs(np.asarray(fsdp_jax.forward(fresh, idx, r)) - want).max()) for r in (False, True)]
     remat_compiled = fsdp_jax.make_train_step(mesh, remat=True).lower(model, opt, *next(batches(cfg, mesh))).compile(
         fsdp_jax.compile_options(mesh))
-    out["remat_all_gathers"] = ledger_jax.from_compiled(remat_compiled.compiled, mesh).counts()["all_gather"]
+    out["remat_all_gathers"] = jax_ledger.from_compiled(remat_compiled.compiled, mesh).counts()["all_gather"]
 
     # -- awkward sizes (the default GPT: 66, 67, 30, 198) over 2 devices: some arrays cut on dim 1 ----
     odd = models.GPTConfig(n_layers=1)

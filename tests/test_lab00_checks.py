@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import collectives, costs
+from course_lib.checks import lab00
+from course_lib.maths import costs
+from course_lib.strategies import collectives
 from course_lib.checks import CheckFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,14 +73,14 @@ def the_real_all_reduce(x, mean=False):
 
 
 def test_all_reduce_check_passes_the_right_answer_and_names_the_ops(capsys):
-    assert collectives.check_all_reduce(right, world_size=4) is True
+    assert lab00.check_all_reduce(right, world_size=4) is True
     out = capsys.readouterr().out
     assert out.startswith("✅ my_all_reduce: matches dist.all_reduce on 4 ranks (sum and mean)")
     assert "reduce_scatter + all_gather" in out
 
 
 def test_all_reduce_check_says_not_implemented_for_the_stub(capsys):
-    assert collectives.check_all_reduce(stub, world_size=4) is False
+    assert lab00.check_all_reduce(stub, world_size=4) is False
     assert "⏳ my_all_reduce: not implemented yet — reduce-scatter, then all-gather" in capsys.readouterr().out
 
 
@@ -92,7 +94,7 @@ def test_all_reduce_check_says_not_implemented_for_the_stub(capsys):
 ], ids=lambda v: getattr(v, "__name__", "feedback"))
 def test_all_reduce_check_rejects_plausible_mistakes_with_the_reason(wrong, feedback):
     with pytest.raises(CheckFailed) as err:
-        collectives.check_all_reduce(wrong, world_size=4)
+        lab00.check_all_reduce(wrong, world_size=4)
     assert str(err.value).startswith("❌ my_all_reduce:")
     assert feedback in str(err.value)
 
@@ -113,15 +115,15 @@ def _ring(op, V, N):
 
 
 def test_ring_check_passes_the_formula_and_the_course_reference(capsys):
-    assert collectives.check_ring_bytes(_ring) is True
-    assert collectives.check_ring_bytes(costs.wire_bytes) is True
+    assert lab00.check_ring_bytes(_ring) is True
+    assert lab00.check_ring_bytes(costs.wire_bytes) is True
     assert "✅ ring_bytes: 20 cases match costs.wire_bytes" in capsys.readouterr().out
 
 
 def test_ring_check_says_not_implemented_for_the_stub(capsys):
     def todo(op, V, N):
         raise NotImplementedError("Exercise not done yet: N-1 steps of V/N")
-    assert collectives.check_ring_bytes(todo) is False
+    assert lab00.check_ring_bytes(todo) is False
     assert "⏳ ring_bytes: not implemented yet — N-1 steps of V/N" in capsys.readouterr().out
 
 
@@ -135,7 +137,7 @@ def test_ring_check_says_not_implemented_for_the_stub(capsys):
 ], ids=["one-phase-all-reduce", "whole-V-per-step", "one-step", "all-reduce-everywhere", "n1", "none"])
 def test_ring_check_rejects_plausible_mistakes_with_the_reason(wrong, feedback):
     with pytest.raises(CheckFailed) as err:
-        collectives.check_ring_bytes(wrong)
+        lab00.check_ring_bytes(wrong)
     assert str(err.value).startswith("❌ ring_bytes:") and feedback in str(err.value)
 
 
@@ -145,8 +147,7 @@ JAX_SCRIPT = textwrap.dedent(r'''
     import course_lib
     course_lib.setup_jax(8)
     import jax
-    from course_lib import collectives
-    from course_lib.checks import CheckFailed
+    from course_lib.checks import CheckFailed, lab00
 
     mesh = jax.make_mesh((8,), ("x",))
     answers = {
@@ -161,7 +162,7 @@ JAX_SCRIPT = textwrap.dedent(r'''
     out = {}
     for name, fn in answers.items():
         try:
-            out[name] = ["passed" if collectives.check_jax_all_reduce(fn, mesh) else "todo", ""]
+            out[name] = ["passed" if lab00.check_jax_all_reduce(fn, mesh) else "todo", ""]
         except CheckFailed as err:
             out[name] = ["failed", str(err)]
     print("RESULT" + json.dumps(out))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import dp, dp_checks
+from course_lib.strategies import dp
+from course_lib.checks import lab01
 from course_lib.checks import CheckFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,16 +60,16 @@ def stepped_too(model):                    # took the optimizer step inside
 
 
 def test_average_gradients_passes_the_right_answer(capsys):
-    assert dp_checks.check_average_gradients(right, world_size=4) is True
+    assert lab01.check_average_gradients(right, world_size=4) is True
     assert capsys.readouterr().out.startswith("✅ average_gradients: every rank holds the whole-batch gradient")
 
 
 def test_average_gradients_accepts_the_reference():
-    assert dp_checks.check_average_gradients(dp.average_gradients_, world_size=4) is True
+    assert lab01.check_average_gradients(dp.average_gradients_, world_size=4) is True
 
 
 def test_average_gradients_stub_is_not_implemented(capsys):
-    assert dp_checks.check_average_gradients(stub, world_size=4) is False
+    assert lab01.check_average_gradients(stub, world_size=4) is False
     assert "⏳ average_gradients: not implemented yet" in capsys.readouterr().out
 
 
@@ -81,7 +82,7 @@ def test_average_gradients_stub_is_not_implemented(capsys):
 ])
 def test_average_gradients_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        dp_checks.check_average_gradients(wrong, world_size=4)
+        lab01.check_average_gradients(wrong, world_size=4)
     assert says in str(err.value)
 
 
@@ -106,14 +107,14 @@ def buckets_drop_last(params, cap_bytes):  # forgot the last, partly filled buck
 
 
 def test_make_buckets_passes_the_right_answer(capsys):
-    assert dp_checks.check_make_buckets(dp.make_buckets) is True
+    assert lab01.check_make_buckets(dp.make_buckets) is True
     assert "✅ make_buckets" in capsys.readouterr().out
 
 
 def test_make_buckets_stub_is_not_implemented(capsys):
     def stub_b(params, cap_bytes):
         raise NotImplementedError("Exercise not done yet: walk the parameters in reverse")
-    assert dp_checks.check_make_buckets(stub_b) is False
+    assert lab01.check_make_buckets(stub_b) is False
     assert "not implemented yet" in capsys.readouterr().out
 
 
@@ -124,7 +125,7 @@ def test_make_buckets_stub_is_not_implemented(capsys):
 ])
 def test_make_buckets_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        dp_checks.check_make_buckets(wrong)
+        lab01.check_make_buckets(wrong)
     assert says in str(err.value)
 
 
@@ -134,7 +135,8 @@ JAX_SCRIPT = textwrap.dedent("""
     import course_lib
     course_lib.setup_jax(4)
     import jax
-    from course_lib import dp, dp_checks
+    from course_lib.strategies import dp
+    from course_lib.checks import lab01
     from course_lib.checks import CheckFailed
     mesh = jax.make_mesh((4,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -161,13 +163,13 @@ JAX_SCRIPT = textwrap.dedent("""
     for name, fn in [("vg_right", dp.jax_dp_value_and_grad), ("vg_textbook", vg_textbook),
                      ("vg_local", vg_local), ("vg_over_n", vg_over_n), ("vg_stub", vg_stub)]:
         try:
-            out[name] = ["ok" if dp_checks.check_jax_dp_value_and_grad(fn, mesh) else "todo", ""]
+            out[name] = ["ok" if lab01.check_jax_dp_value_and_grad(fn, mesh) else "todo", ""]
         except CheckFailed as e:
             out[name] = ["failed", str(e)]
     for name, fn in [("key_right", dp.jax_device_key), ("key_same", key_same), ("key_const", key_const),
                      ("key_other", key_other), ("key_stub", key_stub)]:
         try:
-            out[name] = ["ok" if dp_checks.check_jax_device_key(fn, mesh) else "todo", ""]
+            out[name] = ["ok" if lab01.check_jax_device_key(fn, mesh) else "todo", ""]
         except CheckFailed as e:
             out[name] = ["failed", str(e)]
     print("RESULT " + json.dumps(out))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import memory_measure, zero_checks
+from course_lib.strategies import memory_meter
+from course_lib.checks import lab02
 from course_lib.checks import CheckFailed
 
 
@@ -28,7 +29,7 @@ def no_dedup(tensors):                     # storage size, but every tensor coun
 
 
 def test_storage_bytes_passes_the_reference_and_a_data_ptr_version(capsys):
-    assert zero_checks.check_storage_bytes(memory_measure.storage_bytes) is True
+    assert lab02.check_storage_bytes(memory_meter.storage_bytes) is True
 
     def by_data_ptr(tensors):
         seen, total = set(), 0
@@ -37,14 +38,14 @@ def test_storage_bytes_passes_the_reference_and_a_data_ptr_version(capsys):
                 seen.add(t.untyped_storage().data_ptr())
                 total += t.untyped_storage().nbytes()
         return total
-    assert zero_checks.check_storage_bytes(by_data_ptr) is True
+    assert lab02.check_storage_bytes(by_data_ptr) is True
     assert "✅ storage_bytes" in capsys.readouterr().out
 
 
 def test_storage_bytes_stub_is_not_implemented(capsys):
     def stub(tensors):
         raise NotImplementedError("Exercise not done yet: count each storage once")
-    assert zero_checks.check_storage_bytes(stub) is False
+    assert lab02.check_storage_bytes(stub) is False
     assert "not implemented yet" in capsys.readouterr().out
 
 
@@ -55,7 +56,7 @@ def test_storage_bytes_stub_is_not_implemented(capsys):
 ])
 def test_storage_bytes_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        zero_checks.check_storage_bytes(wrong)
+        lab02.check_storage_bytes(wrong)
     assert says in str(err.value)
 
 
@@ -64,12 +65,12 @@ def right(full_params, full_grads, shard_params, optimizer):
     import torch
     import torch.distributed as dist
 
-    from course_lib.zero import all_gather_flat, reduce_scatter_flat
+    from course_lib.comm.shim import all_gather_flat, reduce_scatter_flat
     g = torch.empty_like(shard_params)
-    reduce_scatter_flat(g, full_grads)
+    reduce_scatter_flat(full_grads, out=g)
     shard_params.grad = g / dist.get_world_size()
     optimizer.step()
-    all_gather_flat(full_params, shard_params.clone())
+    all_gather_flat(shard_params.clone(), out=full_params)
 
 
 def stub(full_params, full_grads, shard_params, optimizer):
@@ -79,21 +80,21 @@ def stub(full_params, full_grads, shard_params, optimizer):
 def forgot_divide(full_params, full_grads, shard_params, optimizer):
     import torch
 
-    from course_lib.zero import all_gather_flat, reduce_scatter_flat
+    from course_lib.comm.shim import all_gather_flat, reduce_scatter_flat
     g = torch.empty_like(shard_params)
-    reduce_scatter_flat(g, full_grads)
+    reduce_scatter_flat(full_grads, out=g)
     shard_params.grad = g                   # the sum: Adam hardly notices, the check must
     optimizer.step()
-    all_gather_flat(full_params, shard_params.clone())
+    all_gather_flat(shard_params.clone(), out=full_params)
 
 
 def forgot_gather(full_params, full_grads, shard_params, optimizer):
     import torch
     import torch.distributed as dist
 
-    from course_lib.zero import reduce_scatter_flat
+    from course_lib.comm.shim import reduce_scatter_flat
     g = torch.empty_like(shard_params)
-    reduce_scatter_flat(g, full_grads)
+    reduce_scatter_flat(full_grads, out=g)
     shard_params.grad = g / dist.get_world_size()
     optimizer.step()
 
@@ -101,35 +102,35 @@ def forgot_gather(full_params, full_grads, shard_params, optimizer):
 def local_slice(full_params, full_grads, shard_params, optimizer):   # no reduction: own gradient slice
     import torch.distributed as dist
 
-    from course_lib.zero import all_gather_flat
+    from course_lib.comm.shim import all_gather_flat
     r, S = dist.get_rank(), shard_params.numel()
     shard_params.grad = full_grads[r * S:(r + 1) * S].clone()
     optimizer.step()
-    all_gather_flat(full_params, shard_params.clone())
+    all_gather_flat(shard_params.clone(), out=full_params)
 
 
 def used_all_reduce(full_params, full_grads, shard_params, optimizer):
     import torch.distributed as dist
 
-    from course_lib.zero import all_gather_flat
+    from course_lib.comm.shim import all_gather_flat
     r, n, S = dist.get_rank(), dist.get_world_size(), shard_params.numel()
     dist.all_reduce(full_grads)
     shard_params.grad = full_grads[r * S:(r + 1) * S] / n
     optimizer.step()
-    all_gather_flat(full_params, shard_params.clone())
+    all_gather_flat(shard_params.clone(), out=full_params)
 
 
 def test_sharded_step_passes_the_right_answer(capsys):
-    assert zero_checks.check_sharded_step(right, world_size=4) is True
+    assert lab02.check_sharded_step(right, world_size=4) is True
     assert "✅ sharded_step: on 4 ranks" in capsys.readouterr().out
 
 
 def test_sharded_step_on_three_ranks_pads_and_passes():
-    assert zero_checks.check_sharded_step(right, world_size=3) is True
+    assert lab02.check_sharded_step(right, world_size=3) is True
 
 
 def test_sharded_step_stub_is_not_implemented(capsys):
-    assert zero_checks.check_sharded_step(stub, world_size=4) is False
+    assert lab02.check_sharded_step(stub, world_size=4) is False
     assert "⏳ sharded_step: not implemented yet" in capsys.readouterr().out
 
 
@@ -141,15 +142,15 @@ def test_sharded_step_stub_is_not_implemented(capsys):
 ])
 def test_sharded_step_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        zero_checks.check_sharded_step(wrong, world_size=4)
+        lab02.check_sharded_step(wrong, world_size=4)
     assert says in str(err.value)
 
 
 # -- exercise 3: ZeRO-3's gather and free (on ranks) ------------------------------------------------------
 def gather(full, shard):
-    from course_lib.zero import all_gather_flat
+    from course_lib.comm.shim import all_gather_flat
     full.untyped_storage().resize_(full.numel() * full.element_size())
-    all_gather_flat(full, shard)
+    all_gather_flat(shard, out=full)
 
 
 def free(full):
@@ -159,9 +160,9 @@ def free(full):
 def gather_into_new_tensor(full, shard):    # the parameters never see it
     import torch
 
-    from course_lib.zero import all_gather_flat
+    from course_lib.comm.shim import all_gather_flat
     fresh = torch.empty(full.numel())
-    all_gather_flat(fresh, shard)
+    all_gather_flat(shard, out=fresh)
 
 
 def free_by_rebinding(full):                # drops a name; the storage stays allocated
@@ -179,12 +180,12 @@ def stub_gather(full, shard):
 
 
 def test_gather_free_passes_the_right_answer(capsys):
-    assert zero_checks.check_gather_free(gather, free, world_size=4) is True
+    assert lab02.check_gather_free(gather, free, world_size=4) is True
     assert "✅ gather / free" in capsys.readouterr().out
 
 
 def test_gather_free_stub_is_not_implemented(capsys):
-    assert zero_checks.check_gather_free(stub_gather, free, world_size=4) is False
+    assert lab02.check_gather_free(stub_gather, free, world_size=4) is False
     assert "not implemented yet" in capsys.readouterr().out
 
 
@@ -195,5 +196,5 @@ def test_gather_free_stub_is_not_implemented(capsys):
 ])
 def test_gather_free_names_the_mistake(g, f, says):
     with pytest.raises(CheckFailed) as err:
-        zero_checks.check_gather_free(g, f, world_size=4)
+        lab02.check_gather_free(g, f, world_size=4)
     assert says in str(err.value)

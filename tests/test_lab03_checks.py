@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import fsdp, fsdp_checks
+from course_lib.strategies import fsdp
+from course_lib.checks import lab03
 from course_lib.checks import CheckFailed
-from course_lib.fsdp import State
+from course_lib.strategies.fsdp import State
 
 
 # -- exercise 1: flat shard ----------------------------------------------------------------------------
@@ -38,9 +39,9 @@ def next_ranks_shard(tensors, rank, world):
 
 
 def test_flat_shard_right_and_stub(capsys):
-    assert fsdp_checks.check_flat_shard(flat_shard) is True
+    assert lab03.check_flat_shard(flat_shard) is True
     assert capsys.readouterr().out.startswith("✅ flat_shard:")
-    assert fsdp_checks.check_flat_shard(stub_shard) is False
+    assert lab03.check_flat_shard(stub_shard) is False
     assert "⏳ flat_shard: not implemented yet — flatten, pad, slice" in capsys.readouterr().out
 
 
@@ -51,7 +52,7 @@ def test_flat_shard_right_and_stub(capsys):
 ])
 def test_flat_shard_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_flat_shard(wrong)
+        lab03.check_flat_shard(wrong)
     assert says in str(err.value)
 
 
@@ -92,9 +93,9 @@ class StubUnshard(torch.autograd.Function):
 
 
 def test_unshard_right_and_stub(capsys):
-    assert fsdp_checks.check_unshard_function(_make()) is True
+    assert lab03.check_unshard_function(_make()) is True
     assert "✅ Unshard: gathers 4,628 elements (2 of padding)" in capsys.readouterr().out
-    assert fsdp_checks.check_unshard_function(StubUnshard) is False
+    assert lab03.check_unshard_function(StubUnshard) is False
     assert "⏳ Unshard: not implemented yet" in capsys.readouterr().out
 
 
@@ -102,7 +103,7 @@ def test_unshard_with_an_in_place_division_passes_every_time(capsys):
     """grad.div_(N) right after the reduce-scatter is a right answer (the course's ledger once re-waited
     gloo's reduce-scatter, which copied the undivided chunk over it again now and then)."""
     for _ in range(5):
-        assert fsdp_checks.check_unshard_function(_make(inplace=True)) is True
+        assert lab03.check_unshard_function(_make(inplace=True)) is True
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -112,7 +113,7 @@ def test_unshard_with_an_in_place_division_passes_every_time(capsys):
 ])
 def test_unshard_wrong_answers_are_named(kwargs, says):
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_unshard_function(_make(**kwargs))
+        lab03.check_unshard_function(_make(**kwargs))
     assert says in str(err.value)
 
 
@@ -147,18 +148,18 @@ class Prefetching(fsdp.FlatFSDP):
 
 
 def test_fsdp_class_right_stub_and_never_freeing(capsys):
-    assert fsdp_checks.check_fsdp_class(MyFSDP, steps=2) is True
+    assert lab03.check_fsdp_class(MyFSDP, steps=2) is True
     assert "✅ MyFSDP: losses match DDP over 2 steps; per step 4 all-gathers forward" in capsys.readouterr().out
-    assert fsdp_checks.check_fsdp_class(StubFSDP, steps=1) is False
+    assert lab03.check_fsdp_class(StubFSDP, steps=1) is False
     assert "⏳ MyFSDP: not implemented yet" in capsys.readouterr().out
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_fsdp_class(NeverFrees, steps=1)
+        lab03.check_fsdp_class(NeverFrees, steps=1)
     assert "post_forward must call flat.reshard()" in str(err.value)
 
 
 def test_prefetch_right_and_missing(capsys):
-    assert fsdp_checks.check_prefetch(Prefetching, steps=1) is True
+    assert lab03.check_prefetch(Prefetching, steps=1) is True
     assert "root + 2 blocks" in capsys.readouterr().out
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_prefetch(fsdp.FlatFSDP, steps=1)
+        lab03.check_prefetch(fsdp.FlatFSDP, steps=1)
     assert "next.unshard(async_op=True)" in str(err.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import fsdp_checks
+from course_lib.checks import lab04
 from course_lib.checks import CheckFailed
 
 
@@ -31,9 +31,9 @@ def blocks_only(model, mesh):
 
 
 def test_shard_model_right_and_stub(capsys):
-    assert fsdp_checks.check_shard_model(shard_model) is True
+    assert lab04.check_shard_model(shard_model) is True
     assert "✅ shard_model: 4 units (root + 3 blocks)" in capsys.readouterr().out
-    assert fsdp_checks.check_shard_model(stub_shard_model) is False
+    assert lab04.check_shard_model(stub_shard_model) is False
     assert "⏳ shard_model: not implemented yet — fully_shard bottom-up" in capsys.readouterr().out
 
 
@@ -41,7 +41,7 @@ def test_shard_model_right_and_stub(capsys):
                                          (blocks_only, "call fully_shard(model) last")])
 def test_shard_model_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_shard_model(wrong)
+        lab04.check_shard_model(wrong)
     assert says in str(err.value)
 
 
@@ -68,13 +68,13 @@ def one_ahead(model, depth):
 
 
 def test_prefetch_plan(capsys):
-    assert fsdp_checks.check_prefetch_plan(set_prefetch) is True
+    assert lab04.check_prefetch_plan(set_prefetch) is True
     assert capsys.readouterr().out.startswith("✅ set_prefetch: 5 blocks")
-    assert fsdp_checks.check_prefetch_plan(stub_prefetch) is False
+    assert lab04.check_prefetch_plan(stub_prefetch) is False
     assert "⏳ set_prefetch: not implemented yet" in capsys.readouterr().out
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_prefetch_plan(backward_not_reversed)
+        lab04.check_prefetch_plan(backward_not_reversed)
     assert "backward runs the blocks in reverse" in str(err.value)
     with pytest.raises(CheckFailed) as err:
-        fsdp_checks.check_prefetch_plan(one_ahead)
+        lab04.check_prefetch_plan(one_ahead)
     assert "the next `depth` blocks" in str(err.value)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import fsdp_jax
-from course_lib.checks import CheckFailed
+from course_lib.checks import CheckFailed, lab05
+from course_lib.strategies import fsdp_jax
 
 ROOT = Path(__file__).resolve().parent.parent
 P = pytest.importorskip("jax.sharding").PartitionSpec
@@ -32,7 +32,7 @@ def stub(shape, n, min_size=fsdp_jax.MIN_SIZE):
     raise NotImplementedError("Exercise not done yet: replicate below min_size")
 
 
-def always_dim0(shape, n, min_size=fsdp_jax.MIN_SIZE):      # the seed's rule: P('fsdp') for every big array
+def always_dim0(shape, n, min_size=fsdp_jax.MIN_SIZE):      # the JAX/Flax NNX guide's rule: P('fsdp') for every big array
     return P() if math.prod(shape) < min_size else P("fsdp")
 
 
@@ -60,12 +60,12 @@ def returns_a_string(shape, n, min_size=fsdp_jax.MIN_SIZE):
 
 
 def test_right_answer_passes(capsys):
-    assert fsdp_jax.check_spec_rule(right) is True
+    assert lab05.check_spec_rule(right) is True
     assert "✅" in capsys.readouterr().out
 
 
 def test_stub_is_not_implemented(capsys):
-    assert fsdp_jax.check_spec_rule(stub) is False
+    assert lab05.check_spec_rule(stub) is False
     assert "not implemented yet" in capsys.readouterr().out
 
 
@@ -79,7 +79,7 @@ def test_stub_is_not_implemented(capsys):
 ])
 def test_wrong_rules_fail_with_the_reason(wrong, says):
     with pytest.raises(CheckFailed, match=says):
-        fsdp_jax.check_spec_rule(wrong)
+        lab05.check_spec_rule(wrong)
 
 
 def test_reference_rule_cases():
@@ -95,8 +95,7 @@ SCRIPT = textwrap.dedent('''
     devices = course_lib.setup_jax(8)
     import jax
     from jax.sharding import AxisType
-    from course_lib import fsdp_jax
-    from course_lib.checks import CheckFailed
+    from course_lib.checks import CheckFailed, lab05
 
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,), devices=devices)
     ag = lambda w, d: jax.lax.all_gather(w, "fsdp", axis=d, tiled=True)
@@ -116,7 +115,7 @@ SCRIPT = textwrap.dedent('''
     out = {}
     for name, (fwd, bwd) in variants.items():
         try:
-            out[name] = "pass" if fsdp_jax.check_gather_pair(fwd, bwd, mesh) else "todo"
+            out[name] = "pass" if lab05.check_gather_pair(fwd, bwd, mesh) else "todo"
         except CheckFailed as e:
             out[name] = "fail: " + str(e)
         except Exception as e:

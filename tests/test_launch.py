@@ -7,6 +7,7 @@ import time
 import pytest
 
 from course_lib import launch
+from course_lib.launch import pool
 from course_lib.launch import LaunchTimeout, RankError
 
 
@@ -20,7 +21,7 @@ def _rank_sum(x):
 
 
 def _pool_procs(world_size):
-    return list(launch._POOLS[(world_size, "gloo")].procs)
+    return list(pool._POOLS[(world_size, "gloo")].procs)
 
 
 def test_results_in_rank_order_and_prints_labelled(capsys):

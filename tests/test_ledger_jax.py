@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from course_lib.costs import ledger_wire_bytes, ratio, step_cost
-from course_lib.ledger import Ledger
-from course_lib.ledger_jax import from_hlo_text, parse_collectives, parse_replica_groups
+from course_lib.maths.costs import ledger_wire_bytes, ratio, step_cost
+from course_lib.comm.ledger import Ledger
+from course_lib.comm.jax_ledger import from_hlo_text, parse_collectives, parse_replica_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-from course_lib.ledger_jax import from_compiled
+from course_lib.comm.jax_ledger import from_compiled
 
 out = {}
 def record(name, compiled, mesh):

@@ -1,6 +1,6 @@
 """The torch ledger sees collectives at the process-group level: ours, DDP's and FSDP2's, per mesh axis."""
 from course_lib import launch
-from course_lib.ledger import CollectiveRecord, Ledger
+from course_lib.comm.ledger import CollectiveRecord, Ledger
 
 import pytest
 
@@ -8,7 +8,7 @@ import pytest
 def _learner_collectives():
     import torch
     import torch.distributed as dist
-    from course_lib import ledger_torch as lt
+    from course_lib.comm import torch_ledger as lt
     r, n = dist.get_rank(), dist.get_world_size()
     with lt.phase("mine", step=3):
         dist.all_reduce(torch.ones(17, 257))
@@ -39,7 +39,7 @@ def test_learner_collectives_recorded_with_payload_dtype_and_labels():
 def _ddp_step():
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from course_lib import ledger_torch as lt
+    from course_lib.comm import torch_ledger as lt
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(17, 257), torch.nn.Linear(257, 3))
     ddp = DDP(model, bucket_cap_mb=0.01)  # small buckets: several all-reduces
@@ -63,7 +63,7 @@ def _fsdp2_step(mesh_shape):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from course_lib import ledger_torch as lt
+    from course_lib.comm import torch_ledger as lt
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     torch.manual_seed(0)

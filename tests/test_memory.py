@@ -3,8 +3,8 @@ import doctest
 
 import pytest
 
-from course_lib import memory
-from course_lib.memory import state_bytes
+from course_lib.maths import memory
+from course_lib.maths.memory import state_bytes
 
 PSI, N = 7_500_000, 64  # the ZeRO paper's N = 64, with a smaller Ψ
 
@@ -55,7 +55,9 @@ def test_tensor_smaller_than_world_padded():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(strategy="hsdp", psi=10, n=2), "for HSDP use 'fsdp' with n = the shard size F"),
+    (dict(strategy="hsdp", psi=10, n=4, replicate=3), "must be an int >= 1 that divides n"),
+    (dict(strategy="fsdp", psi=10, n=4, replicate=2), "replicate=2 only applies to strategy='hsdp'"),
+    (dict(strategy="zero4", psi=10, n=4), "strategy='zero4' must be one of"),
     (dict(strategy="dp", psi=10, n=2, precision="fp16"), "precision='fp16' must be one of"),
     (dict(strategy="dp", psi=-1, n=2), "psi=-1 must be an int >= 0"),
     (dict(strategy="dp", psi=10, n=0), "n=0 must be an int >= 1"),

@@ -27,9 +27,9 @@ def one_torch_thread():
 
 @pytest.fixture(autouse=True, scope="module")
 def jax_with_the_projects_device_count():
-    from course_lib import runtime
-    if not runtime.jax_is_initialised():
-        runtime.setup_jax(8)
+    from course_lib.runtime import devices
+    if not devices.jax_is_initialised():
+        devices.setup_jax(8)
 
 
 AWKWARD = M.GPTConfig(vocab_size=31, seq_len=13, d_model=21, n_heads=7, n_layers=2, d_ff=45)
@@ -167,7 +167,7 @@ def test_gradients_match_across_frameworks():
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from course_lib.data import TokenTask
+    from course_lib.models.data import TokenTask
 
     cfg = AWKWARD
     weights = perturbed(cfg)
@@ -191,7 +191,7 @@ def test_gradients_match_across_frameworks():
 
 
 def test_a_few_adam_steps_reduce_loss():
-    from course_lib.data import TokenTask
+    from course_lib.models.data import TokenTask
     cfg = M.GPTConfig()
     task, model = TokenTask(cfg.vocab_size, cfg.seq_len), M.torch_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)

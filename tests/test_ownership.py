@@ -5,8 +5,12 @@ import pickle
 
 import pytest
 
-from course_lib import costs, memory, ownership, sharding
-from course_lib.ownership import describe_flat, what_if
+from course_lib.maths import costs
+from course_lib.maths import memory
+from course_lib.maths import ownership
+from course_lib.maths import sharding
+from course_lib.maths.ownership import describe_flat, what_if
+from course_lib.strategies import describe
 
 
 def test_docstrings_run():
@@ -129,7 +133,7 @@ def _fsdp2_specs():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from course_lib import ownership
+    from course_lib.strategies import describe
     out = []
     for mesh_shape, names in (((dist.get_world_size(),), None), ((2, 2), ("replicate", "shard"))):
         torch.manual_seed(0)
@@ -137,7 +141,7 @@ def _fsdp2_specs():
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         for layer in (model[0], model[2], model):
             fully_shard(layer, mesh=mesh)
-        out.append(ownership.describe_torch(model))
+        out.append(describe.describe_torch(model))
     return out
 
 
@@ -166,7 +170,7 @@ def test_describe_jax_groups_devices_that_hold_the_same_block():
     tree = {"w": jax.device_put(np.zeros((8, 6), np.float32), NamedSharding(mesh, P("data", None))),
             "v": jax.device_put(np.zeros((8, 6), np.float32), NamedSharding(mesh, P("data", "model"))),
             "b": jax.device_put(np.zeros((6,), np.float32), NamedSharding(mesh, P()))}
-    spec = ownership.describe_jax(tree)
+    spec = describe.describe_jax(tree)
     assert spec.source == "jax" and spec.mesh_shape == (4, 2) and spec.mesh_axes == ("data", "model")
     ids = [d.id for d in mesh.devices.flat]
     w, v, b = spec.bar("w"), spec.bar("v"), spec.bar("b")

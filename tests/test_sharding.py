@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from course_lib import sharding
-from course_lib.sharding import dim0_layout, flat_layout, padded_size, shard_bounds
+from course_lib.maths import sharding
+from course_lib.maths.sharding import dim0_layout, flat_layout, padded_size, shard_bounds
 
 
 def test_docstrings_run():

@@ -5,12 +5,12 @@ import re
 
 import pytest
 
-from course_lib import costs
-from course_lib.ledger import CollectiveRecord, Ledger
-from course_lib.ownership import describe_flat, what_if
+from course_lib.maths import costs
+from course_lib.comm.ledger import CollectiveRecord, Ledger
+from course_lib.maths.ownership import describe_flat, what_if
 from course_lib.widgets import (OwnershipWidget, ownership_rects, ownership_svg, palette, rank_color, show_ownership,
                                 show_traffic)
-from course_lib.widgets_traffic import group_label, traffic_compare, traffic_rows, traffic_svg, traffic_totals
+from course_lib.widgets.traffic import group_label, traffic_compare, traffic_rows, traffic_svg, traffic_totals
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -126,7 +126,7 @@ def _ledger(n=2, steps=2, v=120):
 def test_traffic_rows_totals_and_colours():
     led = _ledger()
     rows = traffic_rows(led)
-    assert len(rows) == 12 and {r["color"] for r in rows} == {rank_color(0), rank_color(1)}
+    assert len(rows) == 12 and {r["rank"] for r in rows} == {0, 1}
     assert all(r["wire"] == 60 for r in rows)           # ring: (N-1)/N * V = 120 / 2
     totals = traffic_totals(led)
     assert totals[(0, "forward")] == {"count": 2, "payload": 240, "wire": 120.0}
@@ -191,7 +191,7 @@ def test_show_traffic_accepts_dict_rows():
 
 
 def test_clock_offsets_line_up_ranks_on_collective_ends():
-    from course_lib.traffic import clock_offsets
+    from course_lib.maths.traffic import clock_offsets
     recs = []
     for r, skew in ((0, 0.0), (1, 0.005)):      # rank 1's clock started 5 ms earlier: its times read 5 ms later
         for k, op in enumerate(("all_gather", "reduce_scatter", "all_reduce")):

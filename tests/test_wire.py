@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import costs, wire
+from course_lib.maths import costs
+from course_lib.bench import wire
 from course_lib.launch import RankError, run
 
 NET_DEV = """\
@@ -52,7 +53,7 @@ def test_wire_measurement_compares_the_sum_over_ranks_with_n_times_the_formula()
 @needs_lo
 @pytest.mark.slow
 def test_measured_loopback_bytes_match_the_ring_except_gloos_reduce_scatter():
-    """Known ground (COURSE.md): 4 ranks, 4 MiB: all-gather and all-reduce ~1.00, reduce-scatter ~2.0."""
+    """Measured on this kind of machine: 4 ranks, 4 MiB: all-gather and all-reduce ~1.00, reduce-scatter ~2.0."""
     got = {m.op: m for m in wire.measure_wire(wire.OPS, nbytes=4 * wire.MiB, world_size=4, repeats=5)}
     for op in ("broadcast", "all_reduce", "all_gather"):
         assert 0.97 < got[op].ratio < 1.25, (op, got[op])

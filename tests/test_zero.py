@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (course_lib.zero) and measured memory (course_lib.memory_measure), on real gloo ranks.
+"""ZeRO stages 1-3 (course_lib.strategies.zero) and measured memory (course_lib.strategies.memory_meter), on real gloo ranks.
 
 Awkward sizes (17x257, 257x5 without bias...) so that the flat units pad at N = 3 and 4. Each stage must:
 average gradients exactly like all_reduce(grad)/N, train like data parallel with the same Adam, hold
@@ -10,8 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib import costs, launch, memory, memory_measure, zero
-from course_lib.sharding import padded_size
+from course_lib.maths import costs
+from course_lib import launch
+from course_lib.maths import memory
+from course_lib.strategies import memory_meter
+from course_lib.strategies import zero
+from course_lib.maths.sharding import padded_size
 
 LR, STEPS = 1e-2, 3
 
@@ -42,9 +46,10 @@ def _train(strategy, units_kind):
     """On a rank: STEPS Adam steps; per step the averaged-gradient check, measured state; final weights."""
     import torch.distributed as dist
 
-    from course_lib import dp, zero
-    from course_lib import ledger_torch as lt
-    from course_lib import memory_measure as mm
+    from course_lib.strategies import dp
+    from course_lib.strategies import zero
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.strategies import memory_meter as mm
     r, n = dist.get_rank(), dist.get_world_size()
     model = _Net()
     if strategy == "dp":
@@ -182,7 +187,7 @@ def test_zero3_sends_one_and_a_half_times_dp(runs):
 def _flat_unit_roundtrip(sharded):
     import torch.distributed as dist
 
-    from course_lib import zero
+    from course_lib.strategies import zero
     r, n = dist.get_rank(), dist.get_world_size()
     model = _Net()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -208,12 +213,12 @@ def test_flat_unit_pads_frees_and_gathers(sharded):
 def _rs_output_is_stable():
     import torch.distributed as dist
 
-    from course_lib import zero
+    from course_lib.comm import shim
     n = dist.get_world_size()
     values = set()
     for _ in range(20):
         out = torch.empty(1000)
-        zero.reduce_scatter_flat(out, torch.ones(1000 * n))
+        shim.reduce_scatter_flat(torch.ones(1000 * n), out=out)
         out.div_(n)                                       # modify the output in place, as ZeRO does
         dist.all_reduce(torch.ones(8))                    # another collective, then look again
         values.add(float(out.max()))
@@ -234,18 +239,18 @@ def test_zero_rejects_bad_arguments():
 # -- memory_measure ----------------------------------------------------------------------------------
 def test_storage_bytes_counts_each_storage_once_at_full_size():
     flat = torch.zeros(13)
-    assert memory_measure.storage_bytes([flat[:6], flat[6:11], None, flat]) == 52
+    assert memory_meter.storage_bytes([flat[:6], flat[6:11], None, flat]) == 52
     freed = torch.zeros(8)
     view = freed[2:5]
     freed.untyped_storage().resize_(0)
-    assert memory_measure.storage_bytes([view]) == 0
-    assert memory_measure.storage_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
+    assert memory_meter.storage_bytes([view]) == 0
+    assert memory_meter.storage_bytes([torch.zeros(3, dtype=torch.bfloat16)]) == 6
 
 
 def test_measure_state_assigns_a_shared_storage_to_the_first_category():
     flat = torch.zeros(10)
     p, g = flat[:4], flat[4:]                    # a gradient living in the parameters' buffer
-    st = memory_measure.measure_state([p], [g], [torch.zeros(2)])
+    st = memory_meter.measure_state([p], [g], [torch.zeros(2)])
     assert (st.params, st.grads, st.optimizer) == (40, 0, 8)
 
 
@@ -255,7 +260,7 @@ def test_model_state_of_a_plain_adam_is_16_bytes_per_parameter():
     model(torch.randn(4, 17)).sum().backward()
     opt.step()
     psi = sum(p.numel() for p in model.parameters())
-    st = memory_measure.model_state(model, opt)
+    st = memory_meter.model_state(model, opt)
     assert st.total == 16 * psi + 4 * len(list(model.parameters()))
 
 
@@ -264,11 +269,11 @@ def test_saved_activations_grow_linearly_and_exclude_parameters():
     sizes = []
     for rows in (4, 8, 16):
         x = torch.randn(rows, 17)
-        out, saved = memory_measure.saved_activation_bytes(lambda: model(x), params=model.parameters())
+        out, saved = memory_meter.saved_activation_bytes(lambda: model(x), params=model.parameters())
         sizes.append(saved)
     assert sizes[2] - sizes[1] == 2 * (sizes[1] - sizes[0]) > 0          # linear in the rows
     assert sizes[0] < 16 * sum(p.numel() for p in model.parameters())
 
 
 def test_allocated_bytes_is_none_on_cpu():
-    assert memory_measure.allocated_bytes("cpu") is None
+    assert memory_meter.allocated_bytes("cpu") is None

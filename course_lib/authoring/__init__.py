@@ -1,0 +1,16 @@
+"""Layer 10, authoring: derive labs/ from solutions/, validate notebooks, run them headless, the CLI.
+
+:mod:`~course_lib.authoring.labs` (solution -> lab), :mod:`~course_lib.authoring.validate`,
+:mod:`~course_lib.authoring.run` (run-solutions and its one-screen table), :mod:`~course_lib.authoring.cli`
+(``python -m course_lib``). This package imports neither torch nor JAX.
+"""
+from course_lib.authoring.labs import (DEFAULT_HINT, LAB_GLOB, MARKDOWN_STUB, STUB_COMMENT, AuthoringError, lab_text, make_lab, plan_labs, read_notebook,
+                                       rel_path, stale_labs, transform_source, write_labs)
+from course_lib.authoring.run import NotebookRun, format_table, parse_banner, run_all, run_notebook
+from course_lib.authoring.validate import validate_notebook
+
+__all__ = [
+    "LAB_GLOB", "DEFAULT_HINT", "STUB_COMMENT", "MARKDOWN_STUB", "AuthoringError", "transform_source", "make_lab", "lab_text", "read_notebook", "rel_path",
+    "plan_labs", "write_labs", "stale_labs", "validate_notebook", "NotebookRun", "parse_banner",
+    "run_notebook", "run_all", "format_table",
+]

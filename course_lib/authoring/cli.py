@@ -1,0 +1,157 @@
+"""``python -m course_lib``: the course's command line (authoring, instructor runs, diagnosis).
+
+    make-labs       derive labs/ from solutions/ (``--check``: fail if labs/ is stale)
+    validate        check solutions/ against the notebook conventions
+    run-solutions   execute every solution (or ``--labs``) headless; print a one-screen table
+    doctor          versions, cores, GPUs, the backend 4 ranks would use, JAX's devices
+    bench WHAT      run ``course_lib.bench.<WHAT>.main(argv)`` (``step-time`` -> ``bench/step_time.py``)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import shutil
+import sys
+from pathlib import Path
+
+
+
+def _root() -> Path:
+    """The course checkout: the current folder if it is one, else the one holding course_lib."""
+    cwd = Path.cwd()
+    if (cwd / "solutions").is_dir() and (cwd / "course_lib").is_dir():
+        return cwd
+    return Path(__file__).resolve().parents[2]   # course_lib/authoring/cli.py -> the checkout
+
+
+def cmd_make_labs(args) -> int:
+    from course_lib import authoring
+    try:
+        if args.check:
+            stale = authoring.stale_labs(args.src, args.dst)
+            if stale:
+                print(f"{args.dst} is stale (run `make labs`):", *stale, sep="\n  ")
+                return 1
+            print(f"{args.dst} is up to date with {args.src}")
+            return 0
+        written = authoring.write_labs(args.src, args.dst)
+    except authoring.AuthoringError as err:
+        print("authoring errors:", *err.problems, sep="\n  ", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    print(f"{len(written)} lab(s) written, the rest unchanged")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from course_lib import authoring
+    paths = sorted(Path(args.dir).glob("*.ipynb"))
+    problems = [p for path in paths for p in authoring.validate_notebook(path)]
+    for problem in problems:
+        print(problem)
+    print(f"{len(paths)} notebook(s) checked, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def cmd_run_solutions(args) -> int:
+    from course_lib import authoring
+    folder = Path(args.dir) if args.dir else _root() / ("labs" if args.labs else "solutions")
+    paths = sorted(folder.glob(args.pattern))
+    if not paths:
+        print(f"no notebooks match {folder / args.pattern}: nothing ran", file=sys.stderr)
+        return 1
+    results = authoring.run_all(paths, timeout=args.timeout)
+    print(authoring.format_table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_doctor(args) -> int:
+    from course_lib.runtime import devices
+    jax_line = ""
+    try:
+        devs = devices.setup_jax(args.jax_devices)   # before describe(), so JAX's line is real
+        sim = devs[0].platform == "cpu" and len(devs) > 1
+        jax_line = f"{len(devs)} x {devs[0].platform}" + (" (simulated CPU devices)" if sim else "")
+    except Exception as exc:  # doctor reports problems, it does not crash on them
+        jax_line = f"unavailable: {exc}"
+    d = devices.describe(args.ranks)
+    try:
+        devices.check_torch_version(d["torch"])
+        torch_ok = f"ok (>= {'.'.join(map(str, devices.MIN_TORCH))})"
+    except Exception as exc:
+        torch_ok = f"REFUSED: {exc}"
+    rows = [("python", d["python"]), ("torch", f"{d['torch']}  {torch_ok}")]
+    rows += [(m, d.get(m) or "not installed") for m in ("jax", "flax", "optax")]
+    rows += [("CPU cores", d["cpu_cores"]),
+             ("GPUs", ", ".join(d.get("gpu_names", [])) or d["gpus"]),
+             (f"backend ({args.ranks} ranks)", f"{d['backend']}: {d['backend_reason']}"),
+             ("JAX devices", jax_line),
+             ("chromium", shutil.which("chromium") or "missing (browser tests skip): run scripts/system-deps.sh")]
+    width = max(len(k) for k, _ in rows)
+    print("course_lib doctor")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    return 0
+
+
+def bench_modules() -> list[str]:
+    """Benchmarks are the modules of ``course_lib/bench/`` that define ``main(argv)`` (read, not imported)."""
+    from course_lib import bench
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)
+                  if "\ndef main(" in (Path(bench.__path__[0]) / f"{m.name}.py").read_text())
+
+
+def cmd_bench(args) -> int:
+    available = bench_modules()
+    if args.what not in available:
+        print(f"no benchmark {args.what!r} (course_lib/bench/{args.what.replace('-', '_')}.py has no main()). "
+              f"Available: {', '.join(available) or 'none yet'}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"course_lib.bench.{args.what.replace('-', '_')}")
+    return int(module.main(list(args.args)) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = _root()
+    p = argparse.ArgumentParser(prog="python -m course_lib",
+                                description="The course's command line: authoring, instructor runs, diagnosis.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("make-labs", help="derive labs/ from solutions/")
+    s.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale labs")
+    s.add_argument("--src", type=Path, default=root / "solutions", help="solutions folder")
+    s.add_argument("--dst", type=Path, default=root / "labs", help="labs folder")
+    s.set_defaults(func=cmd_make_labs)
+
+    s = sub.add_parser("validate", help="check solutions/ against the notebook conventions")
+    s.add_argument("--dir", type=Path, default=root / "solutions")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("run-solutions", help="execute every solution headless and print a table")
+    s.add_argument("--pattern", default="*.ipynb", help="glob inside the folder (default *.ipynb)")
+    s.add_argument("--timeout", type=float, default=600, help="seconds per cell (default 600)")
+    s.add_argument("--labs", action="store_true", help="run labs/ (as learners receive them)")
+    s.add_argument("--dir", type=Path, default=None, help="run this folder instead")
+    s.set_defaults(func=cmd_run_solutions)
+
+    s = sub.add_parser("doctor", help="versions, devices and the backend a run would use")
+    s.add_argument("--ranks", type=int, default=4)
+    s.add_argument("--jax-devices", type=int, default=8)
+    s.set_defaults(func=cmd_doctor)
+
+    s = sub.add_parser("bench", help="run course_lib.bench.<WHAT>.main(argv)")
+    s.add_argument("what", help=f"one of: {', '.join(bench_modules()) or 'none yet'}")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Lab 00's exercise checks: all-reduce from its two halves (torch and JAX) and the ring cost.
+
+Each compares a learner's version with the real collective and reads the ledger to see *how* it was
+computed, not only what it returned. Words as in :mod:`course_lib.comm.ledger` (payload ``V``) and
+:mod:`course_lib.maths.costs` (wire bytes).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from course_lib import checks
+from course_lib.maths.costs import wire_bytes
+from course_lib.strategies.collectives import RING_OPS
+
+__all__ = ["check_all_reduce", "check_ring_bytes", "check_jax_all_reduce"]
+
+
+# -- exercise 1: all-reduce = reduce-scatter + all-gather, in torch on ranks -------------------------
+def _inputs(rank: int, numel: int):
+    """Rank ``r``'s input: distinct in every rank and position, so a misplaced chunk shows."""
+    import torch
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=g) + 10.0 * rank
+
+
+def _all_reduce_on_rank(fn, numel: int) -> dict:
+    import torch.distributed as dist
+
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.launch import rank_info
+
+    x = _inputs(dist.get_rank(), numel).to(rank_info().device)   # the rank's GPU under NCCL
+    with lt.paused():                             # the reference: not part of the learner's ledger
+        ref = x.clone()
+        dist.all_reduce(ref)
+    with lt.phase("sum"):
+        got_sum = fn(x.clone())
+    with lt.phase("mean"):
+        got_mean = fn(x.clone(), mean=True)
+    return {"x": x, "ref": ref, "sum": got_sum, "mean": got_mean}
+
+
+def _gathered_inputs(x: list) -> checks.Detector:
+    """got is the all-gather of each rank's own *input* chunk: the reduce-scatter's output was unused."""
+    n = len(x)
+    wrong = np.concatenate([np.asarray(x[r]).reshape(n, -1)[r] for r in range(n)])
+
+    def detect(got, exp):
+        if got.shape == wrong.shape and np.allclose(got, wrong, rtol=1e-5, atol=1e-6):
+            return ("got is rank r's own input chunk r, gathered → the all-gather was fed the input, "
+                    "not the reduce-scatter's output shard")
+    return detect
+
+
+def _ops(ledger, phase) -> list[str]:
+    return [r.op for r in ledger.filter(phase=phase, rank=0)]
+
+
+def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_all_reduce") -> bool:
+    """Exercise check: ``fn(x, mean=False)`` on every rank equals ``dist.all_reduce(x)`` (÷N if mean),
+    and is built from a reduce-scatter and an all-gather (read from the ledger)."""
+    from course_lib.launch import run
+
+    with checks.check(name) as c:
+        result = run(_all_reduce_on_rank, fn, numel, world_size=world_size)
+        n, x = world_size, [result[r]["x"] for r in range(world_size)]
+        for r in range(n):
+            checks.assert_close(f"{name}(x) on rank {r}", result[r]["sum"], result[r]["ref"],
+                                rtol=1e-5, atol=1e-5,
+                                hint=[checks.wrong_shard_offset(n), checks.skipped_collective(x), _gathered_inputs(x)])
+        for r in range(n):
+            checks.assert_close(f"{name}(x, mean=True) on rank {r}", result[r]["mean"], result[r]["ref"] / n,
+                                rtol=1e-5, atol=1e-5,
+                                hint=[checks.summed_not_averaged(n), checks.averaged_twice(n),
+                                      checks.wrong_shard_offset(n)])
+        ops = _ops(result.ledger, "sum")
+        if "all_reduce" in ops:
+            raise AssertionError(f"the values are right, but rank 0 called all_reduce itself (ops: {ops}); "
+                                 "build it from dist.reduce_scatter_tensor + dist.all_gather_into_tensor")
+        if ops.count("reduce_scatter") != 1 or ops.count("all_gather") != 1:
+            raise AssertionError(f"the values are right, but rank 0 issued {ops}; expected exactly one "
+                                 "reduce_scatter then one all_gather")
+        v = numel * 4
+        c.ok(f"matches dist.all_reduce on {n} ranks (sum and mean); ledger: {' + '.join(ops)}, "
+             f"{2 * wire_bytes('all_gather', v, n):g} wire bytes per rank = all-reduce's "
+             f"{wire_bytes('all_reduce', v, n):g} for V = {v} bytes ({numel} floats)")
+    return bool(c.passed)
+
+
+# -- exercise 2: the ring cost per rank ----------------------------------------------------------------
+_CASES = [(op, v, n) for op in RING_OPS for v, n in ((4096, 4), (4 * 2**20, 8), (96, 3), (1000, 2), (512, 1))]
+
+
+def _diagnose(fn, op, v, n, got, exp) -> str:
+    """A likely mistake, from what ``got`` is a multiple of."""
+    if n == 1:
+        return "with one rank nothing leaves the device: the cost is 0 (the (N-1) factor does it)"
+    guesses = {
+        "(N-1)·V": (n - 1) * v, "V/N (one step only)": v / n, "V": v, "2·(N-1)/N·V": 2 * (n - 1) / n * v,
+        "(N-1)/N·V": (n - 1) / n * v, "2·(N-1)·V": 2 * (n - 1) * v,
+    }
+    why = {
+        "(N-1)·V": "each of the N-1 ring steps sends one chunk of V/N, not the whole V",
+        "V/N (one step only)": "that is one ring step; the ring takes N-1 of them",
+        "V": "a rank does not send all of V: it keeps (or already has) its own 1/N",
+        "2·(N-1)/N·V": "that is all-reduce's cost; only all-reduce has two phases",
+        "(N-1)/N·V": "all-reduce is reduce-scatter THEN all-gather: two phases of (N-1)/N·V",
+        "2·(N-1)·V": "two phases, but each step sends V/N, not V",
+    }
+    for label, value in guesses.items():
+        if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(exp, value, rel_tol=1e-9):
+            return f"got = {label} → {why[label]}"
+    return "compare with the table above the exercise"
+
+
+def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
+    """Exercise check: ``fn(op, V, N)`` equals :func:`course_lib.maths.costs.wire_bytes` for the ring ops."""
+    with checks.check(name) as c:
+        for op, v, n in _CASES:
+            got, exp = fn(op, v, n), wire_bytes(op, v, n)
+            if got is None or not isinstance(got, (int, float, np.floating, np.integer)):
+                raise AssertionError(f"{name}({op!r}, V={v}, N={n}) returned {got!r}; return a number of bytes")
+            if not math.isclose(float(got), exp, rel_tol=1e-9, abs_tol=1e-9):
+                raise AssertionError(f"{name}({op!r}, V={v}, N={n}) = {float(got):g}, expected {exp:g}\n"
+                                     f"   likely mistake: {_diagnose(fn, op, v, n, float(got), exp)}")
+        c.ok(f"{len(_CASES)} cases match costs.wire_bytes (4 ops, N = 1, 2, 3, 4, 8)")
+    return bool(c.passed)
+
+
+# -- exercise 3: the same composition in JAX, under shard_map --------------------------------------------
+def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce") -> bool:
+    """Exercise check: ``fn(block)`` under ``jax.shard_map`` over ``mesh``'s one axis equals the sum
+    of all devices' blocks on every device, and compiles to a reduce-scatter and an all-gather."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from course_lib.comm.jax_ledger import from_compiled
+
+    (axis,), n = mesh.axis_names, mesh.devices.size
+    blocks = np.stack([np.random.default_rng(2000 + d).standard_normal(numel).astype(np.float32) + 10 * d
+                       for d in range(n)])                     # (n, numel): device d's block
+    with checks.check(name) as c:
+        x = jax.device_put(blocks.reshape(-1), NamedSharding(mesh, P(axis)))
+        # out_specs P(axis): the result holds every device's output side by side, so each is checked
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False))
+        got = np.asarray(f(x))
+        ref = blocks.sum(axis=0)
+        if got.size != n * numel:
+            checks.assert_close(f"{name} (all devices side by side)", got, np.tile(ref, n), rtol=1e-5, atol=1e-4)
+        per_device = got.reshape(n, numel)
+        for d in range(n):
+            checks.assert_close(f"{name} on device {d}", per_device[d], ref, rtol=1e-5, atol=1e-4,
+                                hint=[checks.wrong_shard_offset(n), checks.skipped_collective(list(blocks)),
+                                      checks.averaged_twice(n)])
+        ops = [r.op for r in from_compiled(f.lower(x).compile(), mesh)]
+        if "all_reduce" in ops or sorted(ops) != ["all_gather", "reduce_scatter"]:
+            raise AssertionError(f"the values are right, but the compiled program issues {ops}; expected "
+                                 "one reduce_scatter and one all_gather (psum_scatter, then all_gather, "
+                                 "both tiled=True), not psum")
+        c.ok(f"equals psum on all {n} devices; compiled HLO: reduce-scatter + all-gather")
+    return bool(c.passed)

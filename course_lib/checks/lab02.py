@@ -1,0 +1,154 @@
+"""Lab 02's exercise checks: storage accounting, ZeRO-1's sharded optimizer step, ZeRO-3's gather and
+free. Each runs the learner's function (on gloo ranks where it communicates), compares it with the
+single-process answer and names the likely mistake (see :mod:`course_lib.checks`).
+
+The references they stand in for: :func:`course_lib.strategies.memory_meter.storage_bytes` and
+:class:`course_lib.strategies.zero.FlatUnit` (whose ``gather_``/``free_`` and the ``step`` of :class:`~course_lib.strategies.zero.ZeRO`).
+The ZeRO checks use a 17x257 -> 257x5 MLP: 5,911 parameters, padded at every N > 1, and 12 rows of data
+(equal slices at N = 2, 3, 4).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course_lib.comm import torch_ledger
+from course_lib.strategies.zero import FlatUnit
+
+__all__ = ["check_storage_bytes", "check_sharded_step", "check_gather_free"]
+
+
+def _storage_cases() -> list[tuple[str, list, int]]:
+    """(what, tensors, expected bytes): the ways a naive count goes wrong."""
+    flat = torch.zeros(13)                                      # a padded flat buffer: 11 real + 2 padding
+    views = [flat[:6].view(2, 3), flat[6:11]]                   # two parameters viewing it
+    freed = torch.zeros(8)
+    freed_view = freed[2:6]
+    freed.untyped_storage().resize_(0)                          # ZeRO-3 / FSDP: storage released
+    bf16 = torch.zeros(10, dtype=torch.bfloat16)
+    return [
+        ("three separate float32 tensors", [torch.zeros(3), torch.zeros(4, 5), torch.zeros(1)], 4 * 24),
+        ("two views of one padded flat buffer of 13 float32", views, 4 * 13),
+        ("a tensor listed twice, and a view of it", [flat, flat, flat[3:5]], 4 * 13),
+        ("None entries (parameters without a gradient) and a bfloat16 tensor", [None, bf16, None], 2 * 10),
+        ("a view of a freed storage", [freed_view], 0),
+    ]
+
+
+def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
+    """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
+    from course_lib import checks
+    with checks.check(name) as c:
+        for what, tensors, expected in _storage_cases():
+            got = fn(tensors)
+            if got == expected:
+                continue
+            naive = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            msg = f"{name}({what}) = {got!r}, expected {expected} bytes"
+            if got == naive:
+                msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
+                        "freed memory; count t.untyped_storage().nbytes() once per storage")
+            elif expected and got and got < expected:
+                msg += "\n   likely mistake: a view's own size is not what was allocated: use the whole storage's nbytes()"
+            raise AssertionError(msg)
+        c.ok(f"{len(_storage_cases())} cases: views counted once, padding counted, freed storage = 0 bytes")
+    return bool(c.passed)
+
+
+def _mlp_and_batch():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(17, 257), nn.Tanh(), nn.Linear(257, 5, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model, torch.randn(12, 17, generator=g), torch.randn(12, 5, generator=g)
+
+
+def _sharded_step_on_rank(fn, lr: float = 1e-2) -> dict:
+    import copy
+    r, n = dist.get_rank(), dist.get_world_size()
+    model, x, y = _mlp_and_batch()
+    ref = copy.deepcopy(model)                                   # one process, whole batch, torch Adam
+    opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    nn.functional.mse_loss(ref(x), y).backward()
+    unit = FlatUnit(list(model.parameters()), r, n, sharded_params=False)
+    flat = lambda ts: nn.functional.pad(torch.cat([t.detach().reshape(-1) for t in ts]),  # noqa: E731
+                                        (0, unit.layout.padding))
+    out = {"ref_grad": flat([p.grad for p in ref.parameters()]), "S": unit.layout.shard_size, "before": unit.full.clone()}
+    opt.step()
+    rows = slice(r * 12 // n, (r + 1) * 12 // n)
+    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()    # this rank's local gradient
+    out.update(ref_full=flat(ref.parameters()), local_grad=flat([p.grad for p in model.parameters()]))
+    torch_ledger.recorder().reset()
+    fn(unit.full, out["local_grad"].clone(), unit.shard, torch.optim.Adam([unit.shard], lr=lr))
+    out.update(grad_shard=unit.shard.grad, full=unit.full.clone(), ops=[x.op for x in torch_ledger.recorder().ledger()])
+    return out
+
+
+def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
+    """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
+    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters."""
+    import numpy as np
+
+    from course_lib import checks
+    from course_lib.launch import run
+    summed = lambda g, e: (f"got is {world_size}× expected → you summed instead of averaging (forgot ÷{world_size})"  # noqa: E731
+                           if np.allclose(g, world_size * e, rtol=1e-3, atol=1e-6) else None)  # loose: sum order
+    with checks.check(name) as c:
+        res = run(_sharded_step_on_rank, fn, world_size=world_size)
+        S = res[0]["S"]
+        for r, o in enumerate(res):
+            if o["grad_shard"] is None:
+                raise AssertionError(f"rank {r}: shard_params.grad is None; set it to the averaged gradient shard")
+            local = [res[q]["local_grad"][r * S:(r + 1) * S] for q in range(world_size)]
+            checks.assert_close("shard_params.grad", o["grad_shard"], o["ref_grad"][r * S:(r + 1) * S], rtol=1e-5,
+                                atol=1e-6, rank=r, hint=[summed, checks.averaged_twice(world_size),
+                                                         checks.skipped_collective(local)])
+            stale = [q for q in range(world_size) if torch.equal(o["full"][q * S:(q + 1) * S], o["before"][q * S:(q + 1) * S])]
+            if 0 < len(stale) < world_size:
+                raise AssertionError(f"rank {r}: shards {stale} of full_params were never updated: all-gather "
+                                     "the updated shards into full_params after optimizer.step()")
+            checks.assert_close("full_params after the step", o["full"], o["ref_full"], rtol=1e-5, atol=1e-6, rank=r,
+                                hint=checks.not_updated(o["before"]))
+        ops = res[0]["ops"]
+        if sorted(set(ops)) != ["all_gather", "reduce_scatter"]:
+            raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: ZeRO needs a reduce_scatter "
+                                 "(each rank keeps only its shard of the gradient) and an all_gather")
+        c.ok(f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather")
+    return bool(c.passed)
+
+
+def _gather_free_on_rank(gather, free) -> dict:
+    model, x, _ = _mlp_and_batch()
+    out = {"ref": model(x).detach()}
+    unit = FlatUnit(list(model.parameters()), dist.get_rank(), dist.get_world_size(), sharded_params=True)
+    out["padded_bytes"], p0 = unit.layout.padded_numel * 4, unit.params[0]
+    for i in range(2):                                   # gather, use, free -- twice, as two steps would
+        gather(unit.full, unit.shard)
+        out[f"gathered{i}"] = p0.untyped_storage().nbytes()
+        out[f"out{i}"] = model(x).detach() if out[f"gathered{i}"] else None
+        free(unit.full)
+        out[f"freed{i}"] = p0.untyped_storage().nbytes()
+    return out
+
+
+def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / free") -> bool:
+    """Exercise check: ``gather(full, shard)`` refills the storage the parameters view and all-gathers
+    into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
+    from course_lib import checks
+    from course_lib.launch import run
+    with checks.check(name) as c:
+        res = run(_gather_free_on_rank, gather, free, world_size=world_size)
+        for (r, o), i in ((ro, i) for ro in enumerate(res) for i in range(2)):
+            if o[f"gathered{i}"] != o["padded_bytes"]:
+                raise AssertionError(f"rank {r}, gather #{i + 1}: the parameters' storage holds {o[f'gathered{i}']} "
+                                     f"bytes, expected {o['padded_bytes']}: they are views of `full`'s storage, so "
+                                     "refill that one (full.untyped_storage().resize_(...)) and all-gather into `full`")
+            checks.assert_close(f"model output after gather #{i + 1}", o[f"out{i}"], o["ref"], rtol=1e-5, atol=1e-6,
+                                rank=r, hint="all-gather every rank's shard into `full`, in rank order")
+            if o[f"freed{i}"] != 0:
+                raise AssertionError(f"rank {r}, free #{i + 1}: the parameters' storage still holds {o[f'freed{i}']} "
+                                     "bytes; release it: full.untyped_storage().resize_(0)")
+        c.ok(f"gathered {res[0]['padded_bytes']:,} bytes, output matches, freed to 0 bytes, twice")
+    return bool(c.passed)

@@ -1,0 +1,12 @@
+"""Layer 4, launch: run a function defined in a notebook cell on N ranks, get every rank's result.
+
+Modules: :mod:`~course_lib.launch.pool` (the notebook side: fork server, rank pool, ``run``) and
+:mod:`~course_lib.launch.rank` (what runs inside each rank process), :mod:`~course_lib.launch.results`
+(what a call returns or raises).
+"""
+from course_lib.launch.pool import DEFAULT_TIMEOUT_S, PRELOAD, run, shutdown
+from course_lib.launch.results import LaunchTimeout, RankError, RunResult
+from course_lib.launch.rank import RankInfo, rank_info
+
+__all__ = ["run", "rank_info", "shutdown", "RankError", "LaunchTimeout", "RunResult", "RankInfo", "PRELOAD",
+           "DEFAULT_TIMEOUT_S"]

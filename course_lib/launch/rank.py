@@ -1,0 +1,126 @@
+"""The rank side of :mod:`course_lib.launch`: what runs inside each rank process.
+
+Each rank is forked from the fork server, joins the process group through the notebook's TCP store
+(with the ledger backend, so every collective is recorded), then serves calls from the notebook over
+its pipe: run a cloudpickled function, send back its result and this rank's ledger, or an error with
+the traceback. Output is sent over the same pipe, so the notebook prints it labelled by rank.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+
+import cloudpickle
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    backend: str
+    device: str  #: "cpu" or "cuda:<i>"
+
+
+_RANK_INFO: RankInfo | None = None
+
+
+def rank_info() -> RankInfo:
+    """Inside a launched function: this rank, the world size, backend and device."""
+    if _RANK_INFO is not None:
+        return _RANK_INFO
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return RankInfo(dist.get_rank(), dist.get_world_size(), dist.get_backend(), "cpu")
+    raise RuntimeError("rank_info() is only meaningful inside a function started by course_lib.run(...)")
+
+
+# ---------------------------------------------------------------------------------------------
+# rank side
+# ---------------------------------------------------------------------------------------------
+class _PipeWriter(io.TextIOBase):
+    """sys.stdout/sys.stderr of a rank: every write goes to the notebook over the control pipe."""
+
+    def __init__(self, conn, stream: str):
+        self._conn, self._stream = conn, stream
+
+    def writable(self):
+        return True
+
+    def write(self, s):
+        if s:
+            try:
+                self._conn.send(("out", self._stream, s))
+            except (OSError, ValueError):
+                pass
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def to_cpu(value):
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, conn, pg_timeout_s: float):
+    """Body of one rank process (forked from the fork server)."""
+    global _RANK_INFO
+    try:  # die with the fork server / notebook: no orphans even after a kernel crash
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook handles Ctrl-C and kills us
+    os.environ["OMP_NUM_THREADS"] = "1"
+    sys.stdout, sys.stderr = _PipeWriter(conn, "stdout"), _PipeWriter(conn, "stderr")
+    import warnings
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*deprecated", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+    from course_lib.comm import torch_ledger
+
+    torch.set_num_threads(1)  # 2 cores shared by N ranks: oversubscription makes everything slower
+    device = "cpu"
+    if backend == "nccl":
+        local = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    _RANK_INFO = RankInfo(rank, world_size, backend, device)
+    try:
+        store = dist.TCPStore(host, port, world_size=None, is_master=False,
+                              timeout=datetime.timedelta(seconds=pg_timeout_s))
+        name = torch_ledger.register(with_cuda=(backend == "nccl"))
+        dist.init_process_group(name, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        conn.send(("ready", rank))
+    except BaseException as exc:
+        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+        os._exit(1)
+    rec = torch_ledger.recorder()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the notebook went away
+        if msg[0] == "stop":
+            os._exit(0)
+        fn, args, kwargs = cloudpickle.loads(msg[1])
+        rec.reset()
+        try:
+            value = to_cpu(fn(*args, **kwargs))
+            payload = cloudpickle.dumps(value)
+            conn.send(("result", payload, rec.ledger().to_dicts()))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
+            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))

@@ -1,0 +1,77 @@
+"""Shared pieces of the two widgets: the rank palette, byte formatting, table styles, and the static fallback.
+
+See :mod:`course_lib.widgets` for the public API and how the fallback works.
+"""
+from __future__ import annotations
+
+import base64
+import colorsys
+import html
+import io
+
+__all__ = ["rank_color", "palette", "fmt_bytes", "figure_png", "StaticFallback", "PADDING_COLOR", "TABLE_CSS"]
+
+
+_TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+          "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#393b79")
+PADDING_COLOR = "#bbbbbb"
+
+
+def rank_color(rank: int) -> str:
+    """The colour of ``rank`` in every widget and figure (tab10 without its grey, then golden-ratio hues)."""
+    if rank < 0:
+        return "#555555"   # an SPMD program (JAX ledger rank -1): all devices at once
+    if rank < len(_TAB10):
+        return _TAB10[rank]
+    r, g, b = colorsys.hsv_to_rgb((rank * 0.618033988749895) % 1.0, 0.65, 0.85)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+def palette(n: int) -> list[str]:
+    """Colours of ranks ``0..n-1``."""
+    return [rank_color(r) for r in range(n)]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+#: styles for the widgets' tables (class-scoped; an HTML widget's <style> applies to the page)
+TABLE_CSS = ("<style>.cl-table{border-collapse:collapse;font-size:11px;margin:4px 0}"
+             ".cl-table th,.cl-table td{padding:2px 9px;border-bottom:1px solid #e3e3e3;text-align:right}"
+             ".cl-table th{border-bottom:1px solid #999}.cl-table td.l,.cl-table th.l{text-align:left}</style>")
+
+
+def esc(s) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def figure_png(fig) -> bytes:
+    """PNG bytes of a matplotlib ``Figure`` made without pyplot (no global state, no inline backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    return buf.getvalue()
+
+
+class StaticFallback:
+    """Mixin for an ipywidgets container: adds a text and PNG view to the widget's mimebundle."""
+
+    def _static_text(self) -> str:
+        raise NotImplementedError
+
+    def _static_figure(self):
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = dict(super()._repr_mimebundle_(**kwargs) or {})
+        data["text/plain"] = self._static_text()
+        try:
+            data["image/png"] = base64.b64encode(figure_png(self._static_figure())).decode("ascii")
+        except Exception as e:  # never let the picture break the cell: the text still stands
+            data["text/plain"] += f"\n(static figure unavailable: {type(e).__name__}: {e})"
+        return data
