@@ -12,3 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from course_lib.runtime import devices  # noqa: E402
 
 devices.setup_jax(8)
+
+# Wrong answers raise CheckFailed under the tests (a lab prints ❌ and falls back instead), so the
+# tests can assert each diagnosis; subprocesses and nbval kernels inherit it.
+os.environ.setdefault("COURSE_LIB_STRICT_CHECKS", "1")

@@ -191,3 +191,52 @@ def test_other_errors_propagate_unchanged():
     with pytest.raises(FakeRankError):
         with check("average"):
             raise FakeRankError(0, "ValueError", "ValueError: bad\n")
+
+
+# -- a lab (not strict): a wrong answer or a crash prints ❌ and returns False; hints come in layers ------
+@pytest.fixture
+def lab_mode(monkeypatch):
+    monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")
+
+
+def test_in_a_lab_a_wrong_answer_prints_and_returns_false(lab_mode, capsys):
+    @checks.check("sum")
+    def _():
+        checks.assert_close("sum", 5.0, 6.0, rtol=0, atol=0)
+    assert _ is False
+    out = capsys.readouterr().out
+    assert out.startswith("❌ sum:") and "uses the reference answer until this check passes" in out
+
+
+def test_in_a_lab_a_crash_names_the_exception_and_folds_the_traceback(lab_mode, capsys):
+    def learner():
+        return [1, 2][5]
+    with checks.check("index") as c:
+        learner()
+    assert c.passed is False
+    out = capsys.readouterr().out
+    assert "❌ index: your code raised IndexError: list index out of range" in out
+    assert "checks.last_error()" in out and "Traceback" not in out
+    assert "IndexError" in checks.last_error()
+
+
+def test_under_the_tests_a_wrong_answer_raises():
+    with pytest.raises(CheckFailed, match="❌ sum:"):
+        with checks.check("sum"):
+            checks.assert_close("sum", 5.0, 6.0, rtol=0, atol=0)
+
+
+def test_the_todo_line_says_what_the_check_tests_and_offers_hints(capsys):
+    checks.register_hints({"ring": ["each rank sends (N-1)/N of V", "count both halves of an all-reduce"]})
+    with checks.check("ring", tests="bytes per rank for 4 collectives at 5 sizes"):
+        raise NotImplementedError("Exercise not done yet: count what one rank sends")
+    out = capsys.readouterr().out
+    assert "⏳ ring: not implemented yet — count what one rank sends" in out
+    assert "The check will test: bytes per rank for 4 collectives at 5 sizes" in out
+    assert 'checks.hint("ring")' in out
+    assert checks.hint("ring").startswith("💡 ring, hint 1 of 2: each rank sends")
+    assert 'checks.hint("ring", 2)' in capsys.readouterr().out
+    with pytest.raises(ValueError, match="has hints 1..2"):
+        checks.hint("ring", 3)
+    with pytest.raises(ValueError, match="no hints for 'nope'"):
+        checks.hint("nope")

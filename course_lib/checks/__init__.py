@@ -6,10 +6,11 @@ tests (``tests/test_labNN_checks.py``). ``from course_lib import checks`` gives 
 """
 from course_lib.checks.compare import (TOLERANCES, assert_close, averaged_twice, not_updated, parity_check,
                                        skipped_collective, summed_not_averaged, wrong_shard_offset)
-from course_lib.checks.core import CheckFailed, Detector, check, current, not_implemented_todo
+from course_lib.checks.core import (CheckFailed, Detector, check, current, hint, last_error, not_implemented_todo,
+                                    register_hints, strict)
 
 __all__ = [
     "TOLERANCES", "CheckFailed", "Detector", "check", "current", "assert_close", "parity_check",
-    "not_implemented_todo", "summed_not_averaged", "averaged_twice", "skipped_collective",
+    "not_implemented_todo", "hint", "register_hints", "last_error", "strict", "summed_not_averaged", "averaged_twice", "skipped_collective",
     "wrong_shard_offset", "not_updated",
 ]

@@ -3,10 +3,17 @@
 Three outcomes, each one line (plus details for a wrong answer)::
 
     ✅ <name>: <short detail>                      right answer       check() returns True
-    ⏳ <name>: not implemented yet — <what to do>  stub still raises  check() returns False, no raise
-    ❌ <name>: <which rank, which element, expected vs got, likely mistake>   raises CheckFailed
+    ⏳ <name>: not implemented yet — <the idea>    stub still raises  check() returns False
+    ❌ <name>: <which rank, which element, expected vs got, likely mistake>   check() returns False
 
-"Not implemented yet" keeps a lab, as learners receive it, running top to bottom: the stub's
+A lab keeps running top to bottom whatever the learner wrote: a stub says ⏳, a wrong answer or a
+crash in the learner's code says ❌ (naming the rank and the line; the traceback is folded away in
+:func:`last_error`), and the check returns False so the lab falls back to the reference. Under the
+test suite (:func:`strict`) a wrong answer raises :class:`CheckFailed` instead, so tests can assert
+the diagnosis. Hints come on request, in layers (:func:`hint`): the ⏳ line states the idea and what
+the check will test, never the code.
+
+The stub's
 ``NotImplementedError`` (raised directly, or on a rank and reported by the launcher as a
 ``RankError`` whose ``exc_type == "NotImplementedError"``) is caught by :class:`check`. RankError is
 duck-typed (``exc_type``, ``rank``, ``traceback_text``), so this module needs nothing from launch.
@@ -16,10 +23,13 @@ Comparing them (tolerances, detectors of likely mistakes) is :mod:`course_lib.ch
 """
 from __future__ import annotations
 
+import os
 import re
-from typing import Any, Callable
+import traceback
+from typing import Any, Callable, Sequence
 
-__all__ = ["CheckFailed", "check", "current", "not_implemented_todo", "Detector"]
+__all__ = ["CheckFailed", "check", "current", "not_implemented_todo", "Detector", "hint", "register_hints",
+           "last_error", "strict"]
 
 DEFAULT_TODO = ("fill in the code marked `# YOUR CODE HERE` above, run that cell, then re-run this one")
 _STUB_PREFIX = "Exercise not done yet:"
@@ -67,24 +77,85 @@ def not_implemented_todo(exc: BaseException) -> str | None:
     return None
 
 
+#: Hints by exercise name: ``[idea, more specific, near-code]``, most general first (see :func:`hint`).
+_HINTS: dict[str, list[str]] = {}
+#: The last wrong answer's full traceback, folded away from the ❌ line (see :func:`last_error`).
+_LAST_ERROR: list[str] = [""]
+
+
+def strict() -> bool:
+    """True under the test suite (``COURSE_LIB_STRICT_CHECKS=1``): a wrong answer raises
+    :class:`CheckFailed` and a crash propagates, so tests can assert them. In a lab (the default) a
+    wrong answer prints ❌ and the check returns False, so the lab falls back to the reference."""
+    return os.environ.get("COURSE_LIB_STRICT_CHECKS", "") not in ("", "0")
+
+
+def register_hints(hints: dict[str, Sequence[str]]) -> None:
+    """Make ``hint(name, level)`` know an exercise's hints, general to specific (a lab's check module
+    calls this once). Each level says more; the last may show code, the first never does."""
+    for name, levels in hints.items():
+        if not levels or any(not isinstance(h, str) or not h.strip() for h in levels):
+            raise ValueError(f"hints for {name!r} must be non-empty strings, most general first")
+        _HINTS[name] = list(levels)
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Print (and return) hint ``level`` for exercise ``name``: 1 is the idea, higher levels say more.
+
+    >>> register_hints({"demo": ["think of halves", "reduce-scatter, then all-gather"]})
+    >>> _ = hint("demo")
+    💡 demo, hint 1 of 2: think of halves
+       (more: checks.hint("demo", 2))
+    """
+    if name not in _HINTS:
+        known = ", ".join(sorted(_HINTS)) or "none registered yet (import the lab's checks module)"
+        raise ValueError(f"no hints for {name!r}; exercises with hints: {known}")
+    levels = _HINTS[name]
+    if not isinstance(level, int) or not 1 <= level <= len(levels):
+        raise ValueError(f"level={level!r}: {name!r} has hints 1..{len(levels)}")
+    text = f"💡 {name}, hint {level} of {len(levels)}: {levels[level - 1]}"
+    if level < len(levels):
+        text += f'\n   (more: checks.hint("{name}", {level + 1}))'
+    print(text)
+    return text
+
+
+def last_error() -> str:
+    """The full traceback behind the last ❌ that came from an exception (printed and returned)."""
+    print(_LAST_ERROR[0] or "no error recorded")
+    return _LAST_ERROR[0]
+
+
+def _learner_line(text: str) -> str:
+    """``line N: <code>`` of the last traceback frame in notebook code (a cell), or ''."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(?:\^+\s*)?([^\n]*)', text)
+    for path, line, code in reversed(frames):
+        if "ipykernel" in path or path.startswith("<ipython") or path.startswith("<cell"):
+            return f"line {line}: {code.strip()}"
+    return ""
+
+
 class check:
     """Run one exercise check, as a context manager or as a decorator that runs the function now.
 
     >>> with check("all-reduce by hand") as c:        # doctest: +SKIP
     ...     got = launch.run(my_all_reduce, world_size=4)
     ...     assert_close("sum on every rank", got, [expected] * 4, rtol=0, atol=0)
-    >>> c.passed                                       # True, False (not implemented yet)
+    >>> c.passed                                       # True; False when not implemented yet or wrong
 
     >>> @check("ring cost", todo="write ring_bytes() above")   # doctest: +SKIP
     ... def _():
     ...     assert ring_bytes(4, 1024) == 768
     ...     return "768 bytes per rank"               # a returned string is the ✅ detail
+
+    ``tests``: what the check verifies, said in the ⏳ line so the learner knows the target.
     """
 
-    def __init__(self, name: str, todo: str | None = None):
-        self.name, self.todo = name, todo
+    def __init__(self, name: str, todo: str | None = None, tests: str | None = None):
+        self.name, self.todo, self.tests = name, todo, tests
         self.passed: bool | None = None
         self.detail: str | None = None
+        self.feedback: str | None = None
 
     def ok(self, detail: str) -> None:
         """Set the ✅ line's detail (default: the last assert_close summary)."""
@@ -100,19 +171,44 @@ class check:
             self.passed = True
             print(f"✅ {self.name}: {self.detail or 'matches the reference'}")
             return False
+        if isinstance(exc, KeyboardInterrupt):
+            return False
         todo = not_implemented_todo(exc)
-        if todo is not None:
-            self.passed = False
-            print(f"⏳ {self.name}: not implemented yet — {self.todo or todo}")
-            return True                                   # swallowed: the lab keeps running
         self.passed = False
+        if todo is not None:
+            line = f"⏳ {self.name}: not implemented yet — {self.todo or todo}"
+            if self.tests:
+                line += f"\n   The check will test: {self.tests}"
+            if self.name in _HINTS:
+                line += f'\n   Stuck? checks.hint("{self.name}") gives a hint; ask again for more.'
+            print(line)
+            return True                                   # swallowed: the lab keeps running
         rank_type = getattr(exc, "exc_type", None)
         if isinstance(exc, AssertionError):
-            raise CheckFailed(self._feedback(str(exc))) from None
+            return self._wrong(self._feedback(str(exc)))
         if rank_type in ("AssertionError", "CheckFailed"):
             inner = _rank_message(exc).removeprefix("❌ ")
-            raise CheckFailed(self._feedback(f"on rank {exc.rank}: {inner}")) from None
-        return False                                      # a real error: its traceback helps most
+            return self._wrong(self._feedback(f"on rank {exc.rank}: {inner}"))
+        if strict():
+            return False                                  # tests: a real error propagates
+        # A crash in the learner's code: one line that names the rank and the line, traceback folded.
+        text = getattr(exc, "traceback_text", "") or "".join(traceback.format_exception(exc))
+        where = f" on rank {exc.rank}" if getattr(exc, "rank", None) is not None and rank_type else ""
+        kind = rank_type or type(exc).__name__
+        msg = (_rank_message(exc) if rank_type else str(exc)).strip().splitlines()
+        line = _learner_line(text)
+        _LAST_ERROR[0] = text
+        return self._wrong(f"❌ {self.name}: your code raised {kind}{where}"
+                           + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
+                           + "\n   (full traceback: checks.last_error())")
+
+    def _wrong(self, feedback: str) -> bool:
+        """A wrong answer: raise under the tests, else print it and let the lab fall back."""
+        self.feedback = feedback
+        if strict():
+            raise CheckFailed(feedback) from None
+        print(feedback + "\n   The rest of the lab uses the reference answer until this check passes.")
+        return True
 
     def _feedback(self, msg: str) -> str:
         msg = msg.strip() or "assertion failed"
