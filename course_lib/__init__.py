@@ -6,7 +6,7 @@ cycles and no private names borrowed across modules). Lowest first::
   10 authoring/   labs (solution -> lab), validate, run (run-solutions), cli (python -m course_lib)
    9 bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP)
    8 widgets/     base, ownership (who owns which slice), traffic (what each collective moved)
-   7 checks/      core (✅ ⏳ ❌), compare (tolerances, likely mistakes), lab00 ... labNN
+   7 checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, lab00 ... labNN
    6 strategies/  collectives, dp, zero, fsdp (from scratch), fsdp2, fsdp_jax, hsdp,
                   memory_meter (measured bytes), describe (ownership of real sharded models)
    5 models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)
