@@ -1,32 +1,36 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs, installed by the project itself (never `playwright install`,
-# which downloads a browser): chromium, driven by Playwright for the real-browser widget tests.
-# A fast no-op when /usr/bin/chromium exists. Needs root (or sudo) and apt-get.
+# which downloads a browser): chromium, driven by Playwright for the real-browser widget tests, and
+# iproute2 (`ip`, `tc`) for the two-"node" network-namespace runs of Lab 06 and the capstone.
+# A fast no-op when both are present. Needs root (or sudo) and apt-get.
 set -euo pipefail
 
-if [[ -x /usr/bin/chromium ]]; then
-    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium))"
+missing=()
+[[ -x /usr/bin/chromium ]] || missing+=(chromium fonts-liberation)
+command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing+=(iproute2)
+if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)), iproute2 present"
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
     # Not Debian/Ubuntu: nothing we can install; the browser tests skip without /usr/bin/chromium.
-    echo "system-deps: no apt-get here; install chromium at /usr/bin/chromium yourself" \
-         "(browser tests are skipped without it)" >&2
+    echo "system-deps: no apt-get here; install ${missing[*]} yourself" \
+         "(browser and two-node tests are skipped without them)" >&2
     exit 0
 fi
 
 SUDO=""
 if [[ $(id -u) -ne 0 ]]; then
     if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
-        echo "system-deps: chromium is missing and installing it needs root: run as root, or" \
-             "apt-get install chromium" >&2
+        echo "system-deps: ${missing[*]} missing and installing needs root: run as root, or" \
+             "apt-get install ${missing[*]}" >&2
         exit 1
     fi
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-echo "system-deps: installing chromium with apt-get"
+echo "system-deps: installing ${missing[*]} with apt-get"
 $SUDO apt-get update -q
-$SUDO apt-get install -y -q chromium fonts-liberation
-/usr/bin/chromium --version
+$SUDO apt-get install -y -q "${missing[@]}"
+[[ -x /usr/bin/chromium ]] && /usr/bin/chromium --version || true
