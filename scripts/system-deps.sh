@@ -31,6 +31,10 @@ fi
 
 export DEBIAN_FRONTEND=noninteractive
 echo "system-deps: installing ${missing[*]} with apt-get"
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q "${missing[@]}"
+log=$(mktemp)   # apt's progress is hundreds of lines: keep it out of the test log unless it fails
+if ! { $SUDO apt-get update -q && $SUDO apt-get install -y -q "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    exit 1
+fi
+rm -f "$log"
 [[ -x /usr/bin/chromium ]] && /usr/bin/chromium --version || true
