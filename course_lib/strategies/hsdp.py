@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["MESH_DIMS", "HSDPConfig", "hsdp_mesh", "shard_gpt_hsdp", "build_gpt", "shard_groups", "replica_groups",
-           "axis_of", "label_axes", "unit_shapes", "placements_of", "accumulate_step"]
+           "axis_of", "label_axes", "unit_shapes", "placements_of", "accumulate_step",
+           "formula_by_axis", "ledger_by_axis"]
 
 MESH_DIMS = ("replicate", "shard")   #: mesh dim names, in torch's order: dim 0 replicates, dim 1 shards
 
@@ -191,3 +192,24 @@ def accumulate_step(model, opt, micro_batches, loss_fn, *, all_reduce_each: bool
     opt.step()
     opt.zero_grad()
     return total
+
+
+def formula_by_axis(units, replicate: int, shard: int, **kw) -> dict[str, float]:
+    """Wire bytes one rank sends per step on each mesh axis, from the model alone
+    (``costs.step_cost("hsdp", ..., replicate=R)``): all-gathers and reduce-scatters on ``"shard"``, the
+    gradient all-reduce on ``"replicate"``. ``kw`` go to ``step_cost`` (``padding="dim0"``, ``root_unit=0``)."""
+    from course_lib.maths import costs
+    cost = costs.step_cost("hsdp", units, replicate * shard, replicate=replicate, **kw)
+    out = {"shard": 0.0, "replicate": 0.0}
+    for o in cost.ops:
+        out["replicate" if o.op == "all_reduce" else "shard"] += o.wire_bytes
+    return out
+
+
+def ledger_by_axis(ledger, replicate: int, shard: int, *, rank: int = 0, step=None) -> dict[str, float]:
+    """Measured wire bytes per mesh axis of one rank's records (``step``: one step, else all of them)."""
+    from course_lib.maths import costs
+    out = {"shard": 0.0, "replicate": 0.0}
+    for r in label_axes(ledger.filter(rank=rank, step=step), replicate, shard):
+        out[r.axis] = out.get(r.axis, 0.0) + costs.record_wire_bytes(r)
+    return out

@@ -1,0 +1,114 @@
+"""Two network namespaces as two nodes: built and always removed (normal exit, exception, Ctrl-C, interpreter
+exit), unique per process and per instance, the veth counters see what crossed; a real two-agent torchrun job
+and a two-process JAX job across them move the inter-node bytes the ring formulas say. Skipped, with the
+reason, where the machine does not allow network namespaces (needs root/CAP_NET_ADMIN and iproute2)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from course_lib.runtime import netns
+
+OK, WHY = netns.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+
+
+def _listed() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    yield
+    assert not [n for n in _listed() if n.startswith(f"{netns.PREFIX}{os.getpid()}")], _listed()
+
+
+def test_available_says_why():
+    ok, why = netns.available()
+    assert isinstance(ok, bool) and (ok or "iproute2" in why or "CAP_NET_ADMIN" in why or "Linux" in why
+                                     or "refused" in why)
+
+
+def test_build_count_and_remove():
+    with netns.TwoNodes(rate_mbit=200) as net:
+        a, b = net.nodes
+        assert {a.netns, b.netns} <= _listed()
+        assert str(os.getpid()) in a.netns and len(a.iface) <= 15
+        assert net.subnet.is_private and net.subnet.prefixlen == 30
+        qdisc = subprocess.run(["tc", "-n", a.netns, "qdisc", "show", "dev", a.iface], capture_output=True,
+                               text=True).stdout
+        assert "tbf" in qdisc and "200Mbit" in qdisc
+        server = textwrap.dedent(f"""
+            import socket
+            s = socket.socket(); s.bind(("{a.addr}", 5001)); s.listen(1); print("ready", flush=True)
+            c, _ = s.accept(); n = 0
+            while (d := c.recv(65536)): n += len(d)
+            print(n, flush=True)""")
+        srv = net.popen(a, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+        assert srv.stdout.readline().strip() == "ready"
+        before = net.link_bytes()
+        client = (f"import socket; s = socket.create_connection(('{a.addr}', 5001)); "
+                  "s.sendall(bytes(1_000_000)); s.close()")
+        assert net.popen(b, [sys.executable, "-c", client]).wait(30) == 0
+        assert int(srv.stdout.readline()) == 1_000_000
+        srv.wait(10)
+        after = net.link_bytes()
+        sent = after["1->0"] - before["1->0"]
+        assert 1_000_000 <= sent < 1_100_000          # the payload plus TCP/IP headers crossed b -> a
+    assert not ({a.netns, b.netns} & _listed())
+
+
+def test_two_at_once_do_not_collide_and_exceptions_clean_up():
+    with pytest.raises(KeyboardInterrupt):
+        with netns.TwoNodes() as one, netns.TwoNodes() as two:
+            assert one.nodes[0].netns != two.nodes[0].netns and one.subnet != two.subnet
+            assert one.nodes[0].iface != two.nodes[0].iface
+            names = {n.netns for n in one.nodes + two.nodes}
+            assert names <= _listed()
+            raise KeyboardInterrupt
+    assert not (names & _listed())
+    with pytest.raises(ValueError):
+        with netns.TwoNodes() as net:
+            names = {n.netns for n in net.nodes}
+            raise ValueError("a failing cell")
+    assert not (names & _listed())
+
+
+def test_interpreter_exit_cleans_up():
+    code = ("from course_lib.runtime import netns\nnet = netns.TwoNodes().__enter__()\n"
+            "print(' '.join(n.netns for n in net.nodes), flush=True)\n")   # no __exit__: atexit must do it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    names = set(out.stdout.split())
+    assert len(names) == 2, out.stderr
+    assert not (names & _listed())
+
+
+def test_torchrun_two_agents_fsdp_vs_hsdp():
+    from course_lib.bench import two_node
+    res = two_node.run_torch(100, steps=2, timeout_s=150)
+    assert res["left_over"] == [] and not [n for n in _listed() if n.startswith(netns.PREFIX + str(os.getpid()))]
+    assert [w["node"] for w in res["where"]] == [0, 0, 1, 1]
+    fsdp, hsdp = res["runs"]["fsdp"], res["runs"]["hsdp"]
+    assert fsdp["losses"] == pytest.approx(hsdp["losses"], rel=1e-5)
+    pred = two_node.predict(res, factors=two_node.GLOO_FACTORS)
+    for kind in ("fsdp", "hsdp"):   # measured = ring formula x gloo's factor + TCP/IP headers (a few %)
+        assert 1.0 <= pred[kind]["measured_link"] / pred[kind]["predicted_link"] < 1.08, pred[kind]
+    assert pred["hsdp"]["measured_link"] < pred["fsdp"]["measured_link"] / 2.5
+    axes = {(op, axis) for op, _, _, _, axis in hsdp["ops"]}
+    assert axes == {("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")}
+
+
+def test_jax_two_processes_fsdp_vs_hsdp():
+    from course_lib.bench import two_node
+    res = two_node.run_jax(None, steps=2, timeout_s=150)
+    assert res["left_over"] == []
+    assert len(res["devices"]) == 4
+    fsdp, hsdp = res["runs"]["fsdp"], res["runs"]["hsdp"]
+    assert fsdp["losses"] == pytest.approx(hsdp["losses"], rel=1e-5)
+    assert set(fsdp["wire_by_axis"]) == {"fsdp"}
+    assert "replicate" in hsdp["wire_by_axis"]
+    assert hsdp["tx"] < fsdp["tx"]          # less crosses between the nodes with HSDP
