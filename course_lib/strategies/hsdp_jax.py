@@ -24,7 +24,7 @@ import math
 from course_lib.strategies.fsdp_jax import MIN_SIZE, all_gather_shard, fsdp_spec, sharded_dim
 
 __all__ = ["HSDP_AXES", "TP_AXES", "hsdp_mesh", "hsdp_rule", "batch_spec", "shard_map_hsdp_step", "fsdp_tp_spec",
-           "fsdp_tp_rule", "tp_mesh", "bytes_per_device", "check_tp_spec"]
+           "fsdp_tp_rule", "tp_mesh", "bytes_per_device"]
 
 HSDP_AXES = ("replicate", "fsdp")   #: the HSDP mesh: R copies (axis 0) of a model cut F ways (axis 1)
 TP_AXES = ("fsdp", "tensor")        #: the FSDP × TP mesh of the JAX FSDP guide
@@ -141,28 +141,3 @@ def bytes_per_device(tree) -> list[int]:
             held[s.device.id] = held.get(s.device.id, 0) + s.data.nbytes
     return [held[k] for k in sorted(held)]
 
-
-def check_tp_spec(spec, shape, fsdp: int, tensor: int) -> str | None:
-    """What is wrong with ``spec`` for a big 2-D ``shape`` on an (F, T) mesh, or None when it is
-    ``P('fsdp', 'tensor')``. Used by the lab's check to name the mistake."""
-    from jax.sharding import PartitionSpec as P
-    if not isinstance(spec, P):
-        return f"returned {type(spec).__name__} {spec!r}, not a PartitionSpec"
-    entries = [e if isinstance(e, tuple) else (e,) for e in tuple(spec)] + [()] * 2
-    flat = [a for e in entries for a in e if a is not None]
-    if len(flat) != len(set(flat)):
-        return f"{spec} names a mesh axis twice; each axis may cut at most one dimension"
-    if any(len([a for a in e if a is not None]) > 1 for e in entries):
-        return (f"{spec} cuts one dimension over both axes: that is FSDP over F·T devices (same memory), not "
-                "tensor parallelism: the T devices of a tensor group would no longer share rows of the same matmul")
-    got = tuple(e[0] if e and e[0] is not None else None for e in entries[:2])
-    if got == ("tensor", "fsdp"):
-        return f"{spec} swaps the axes: rows go to 'fsdp' and columns (output features) to 'tensor'"
-    if "tensor" not in flat or "fsdp" not in flat:
-        missing = [a for a in TP_AXES if a not in flat]
-        return (f"{spec} leaves {shape} uncut on {missing}: the kernel is replicated along that axis, so a "
-                f"device holds {1 / (fsdp if 'fsdp' in flat else 1) / (tensor if 'tensor' in flat else 1):.3g} of it, "
-                f"not 1/(F·T) = 1/{fsdp * tensor}")
-    if got != ("fsdp", "tensor"):
-        return f"{spec}: expected P('fsdp', 'tensor')"
-    return None
