@@ -1,0 +1,300 @@
+"""Calibrate the step-time model on this machine, predict DP / FSDP / HSDP steps, then measure them.
+
+    python -m course_lib bench step-time [--repeats 5] [--steps 8] [--quick]
+
+1. **Communication**: every op FSDP, HSDP and DDP issue, on the groups they issue it on, timed at 4 sizes
+   (warm-up first, ``repeats`` windows, the slowest rank's time per window); ``α + β · wire`` fitted per op
+   and group size with :func:`course_lib.bench.wire.calibrate_alpha_beta`. The spread (max/min) is reported.
+2. **Compute**: the plain course GPT (no collective) stepped on every rank at once -- the ranks share this
+   machine's cores exactly as they will in the real runs -- at two widths; ``overhead + FLOPs / rate`` fitted.
+   Then γ, FSDP2's own work per collective, from one FSDP run at a width no test uses.
+3. **Predict** (:func:`course_lib.maths.step_model.predict`) the configurations of :data:`CONFIGS` *before*
+   running them, then **measure** each: median over ``steps`` timed steps of the slowest rank.
+
+Prints predicted vs measured and the worst ratio; the course's goal is every ratio within 0.75-1.25.
+Timings on a shared CPU wobble: take them under the course's CPU lock, read them, never assert them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+from course_lib.maths import step_model
+from course_lib.maths.costs import AlphaBeta
+
+__all__ = ["Config", "CONFIGS", "CALIBRATION_WIDTHS", "Calibration", "calibrate", "calibrate_comm",
+           "calibrate_compute", "measure", "predict_all", "run_all", "format_table", "lab_cfg", "main"]
+
+KiB = 1024
+COMM_SIZES = (16 * KiB, 128 * KiB, 1024 * KiB, 4096 * KiB)
+COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def lab_cfg(width: int, layers: int = 2, seq_len: int = 64):
+    """The course GPT at ``width``: d_ff = 4·width, 4 heads, the lab vocabulary (67)."""
+    from course_lib.models.config import GPTConfig
+    return GPTConfig(vocab_size=67, seq_len=seq_len, d_model=width, n_heads=4, n_layers=layers, d_ff=4 * width)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration to predict and measure."""
+
+    strategy: str        #: "dp", "fsdp" or "hsdp"
+    world_size: int      #: N ranks
+    batch: int           #: global batch, sequences (batch / N per rank)
+    width: int           #: d_model of :func:`lab_cfg`
+    replicate: int = 1   #: HSDP's R (mesh (R, N / R))
+
+    def __post_init__(self):
+        if self.strategy not in step_model.STRATEGIES or self.batch % self.world_size:
+            raise ValueError(f"strategy={self.strategy!r} must be one of {step_model.STRATEGIES} and batch("
+                             f"{self.batch}) a multiple of world_size({self.world_size})")
+
+    @property
+    def label(self) -> str:
+        mesh = f" {self.replicate}x{self.world_size // self.replicate}" if self.strategy == "hsdp" else ""
+        return f"{self.strategy}{mesh} N={self.world_size} B={self.batch} d={self.width}"
+
+
+CONFIGS = (Config("dp", 4, 16, 128), Config("fsdp", 4, 16, 128), Config("hsdp", 4, 16, 128, replicate=2),
+           Config("fsdp", 2, 8, 256), Config("fsdp", 4, 64, 64))
+CALIBRATION_WIDTHS = (96, 192)
+
+
+# -- rank side -------------------------------------------------------------------------------------------
+def _build(strategy: str, cfg, replicate: int):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from course_lib.models import torch_gpt
+    from course_lib.strategies import hsdp
+    n = dist.get_world_size()
+    if strategy == "plain":
+        return torch_gpt(cfg, seed=0)
+    if strategy == "dp":
+        return DDP(torch_gpt(cfg, seed=0))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = hsdp.hsdp_mesh(replicate, n // replicate) if strategy == "hsdp" else init_device_mesh("cpu", (n,))
+    return hsdp.build_gpt(cfg, mesh, device=torch.device("cpu"))
+
+
+def time_steps_on_rank(strategy: str, cfg, local_batch: int, steps: int, warmup: int = 2, replicate: int = 1) -> list:
+    """Every rank: ``warmup`` + ``steps`` training steps (forward, backward, AdamW); seconds per timed step.
+    ``strategy="plain"`` steps a local model with no collective at all: the compute-only calibration."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.models import TokenTask, loss_fn
+    torch.manual_seed(0)
+    model = _build(strategy, cfg, replicate)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    task, r = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0), dist.get_rank()
+    x, y = (torch.from_numpy(a) for a in task.rank_batch(0, local_batch * dist.get_world_size(), r,
+                                                          dist.get_world_size()))
+    times = []
+    for s in range(warmup + steps):
+        with lt.paused():
+            dist.barrier()        # every rank starts the step together; not part of the step
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _slowest(result, steps: int) -> list[float]:   # the slowest rank sets the pace of every step
+    return [max(rank[i] for rank in result) for i in range(steps)]
+
+
+# -- calibration -------------------------------------------------------------------------------------------
+def _groups(n: int, replicate: int):
+    """Rank side: {"world": None, "shard": my row group, "replicate": my column group} of an R x F mesh."""
+    import torch.distributed as dist
+
+    from course_lib.strategies import hsdp
+    out, r = {"world": None}, dist.get_rank()
+    if 1 < replicate < n:
+        for kind, groups in (("shard", hsdp.shard_groups(replicate, n // replicate)),
+                             ("replicate", hsdp.replica_groups(replicate, n // replicate))):
+            for g in groups:            # every rank creates every group, in the same order
+                pg = dist.new_group(g)
+                if r in g:
+                    out[kind] = (pg, len(g))
+    return out
+
+
+def comm_sweep_on_rank(plan, sizes, repeats: int, replicate: int = 1) -> dict:
+    """Every rank: time each ``(op, group kind)`` of ``plan`` at every payload size, all groups of a kind at once
+    (as HSDP runs them): one warm-up, then ``repeats`` windows between unrecorded barriers."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.comm.shim import ALL_GATHER, REDUCE_SCATTER
+    n = dist.get_world_size()
+    groups = _groups(n, replicate)
+    out = {}
+    for op, kind in plan:
+        pg, g = groups[kind] if groups[kind] else (None, n)
+        for v in sizes:
+            full, shard = torch.zeros(v // 4), torch.zeros(v // 4 // g)
+            issue = {"all_gather": lambda: ALL_GATHER(full, shard, group=pg),
+                     "reduce_scatter": lambda: REDUCE_SCATTER(shard, full, group=pg),
+                     "all_reduce": lambda: dist.all_reduce(full, group=pg)}[op]
+            issue()
+            times = []
+            for _ in range(repeats):
+                with lt.paused():
+                    dist.barrier()
+                t0 = time.perf_counter()
+                issue()
+                times.append(time.perf_counter() - t0)
+            out[(op, kind, v)] = times
+    return out
+
+
+def calibrate_comm(world_size: int, replicate: int = 1, ops=COMM_OPS, sizes=COMM_SIZES, repeats: int = 5):
+    """``(CommModel, spread)`` for runs on ``world_size`` ranks: α-β per (op, group size), fitted by
+    :func:`course_lib.bench.wire.calibrate_alpha_beta` on the median over ``repeats`` windows of the slowest
+    rank; with ``replicate`` R > 1 also HSDP's groups (all-gather and reduce-scatter in the shard groups,
+    all-reduce in the replicate groups), timed *all at once*, as HSDP runs them. ``spread[(op, group)]`` is
+    the worst max/min over a size's windows."""
+    from course_lib.bench import wire
+    from course_lib.launch import run
+    plan = [(op, "world") for op in ops]
+    if 1 < replicate < world_size:
+        plan += [("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")]
+    raw = run(comm_sweep_on_rank, plan, tuple(sizes), repeats, replicate, world_size=world_size, timeout=300)
+    fits, spread = {}, {}
+    for op, kind in plan:
+        g = world_size if kind == "world" else (world_size // replicate if kind == "shard" else replicate)
+        per_size, worst = [], 1.0
+        for v in sizes:
+            win = [max(raw[r][(op, kind, v)][k] for r in range(world_size)) for k in range(repeats)]
+            per_size.append(statistics.median(win))
+            worst = max(worst, max(win) / min(win))
+        sweep = wire.Sweep(g, tuple(sizes), {op: tuple(per_size)}, raw.backend)
+        fits[(op, g)] = wire.calibrate_alpha_beta(g, sizes, op, sweep=sweep).alpha_beta
+        spread[(op, g)] = worst
+    return step_model.CommModel(fits), spread
+
+
+def calibrate_compute(world_size: int, widths=CALIBRATION_WIDTHS, local_batch: int = 4, steps: int = 5):
+    """``(ComputeModel, points)``: plain steps on ``world_size`` ranks at once at each width; ``points`` are
+    ``(flops, median seconds, max/min)`` per width."""
+    from course_lib.launch import run
+    points = []
+    for w in widths:
+        cfg = lab_cfg(w)
+        res = run(time_steps_on_rank, "plain", cfg, local_batch, steps, world_size=world_size, timeout=300)
+        t = _slowest(res, steps)
+        points.append((step_model.train_flops(cfg, local_batch * cfg.seq_len), statistics.median(t), max(t) / min(t)))
+    return step_model.ComputeModel.fit([p[0] for p in points], [p[1] for p in points]), points
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything measured on ``world_size`` ranks before predicting: α-β per (op, group), compute, γ."""
+
+    world_size: int
+    comm: step_model.CommModel
+    comm_spread: dict
+    compute: step_model.ComputeModel
+    compute_points: list
+    per_collective_s: float     #: γ, FSDP2's own work per collective, from one FSDP run at the calibration width
+
+
+def calibrate(world_size: int, replicate: int = 1, repeats: int = 5, steps: int = 5) -> Calibration:
+    """Collectives, then compute, then one FSDP run at ``CALIBRATION_WIDTHS[0]`` for γ (never a tested config)."""
+    comm, spread = calibrate_comm(world_size, replicate, repeats=repeats)
+    compute, points = calibrate_compute(world_size, steps=steps)
+    probe = Config("fsdp", world_size, 4 * world_size, CALIBRATION_WIDTHS[0])
+    pred = step_model.predict("fsdp", lab_cfg(probe.width), world_size, probe.batch, compute, comm, root_unit=0)
+    gamma = step_model.fit_framework_overhead(measure(probe, steps)[0], pred)
+    return Calibration(world_size, comm, spread, compute, points, gamma)
+
+
+def predict_all(configs, calibrations: dict) -> list:
+    """``step_model.predict`` for every config with its world size's :class:`Calibration`.
+    FSDP2 leaves its root unsharded after forward by default: ``root_unit=0``."""
+    out = []
+    for c in configs:
+        cal = calibrations[c.world_size]
+        out.append(step_model.predict(c.strategy, lab_cfg(c.width), c.world_size, c.batch, cal.compute, cal.comm,
+                                      replicate=c.replicate, root_unit=None if c.strategy == "dp" else 0,
+                                      per_collective_s=cal.per_collective_s))
+    return out
+
+
+def measure(config: Config, steps: int = 8) -> tuple[float, float]:
+    """``(median, max/min)`` of the slowest rank's step time over ``steps`` timed steps."""
+    from course_lib.launch import run
+    res = run(time_steps_on_rank, config.strategy, lab_cfg(config.width), config.batch // config.world_size, steps,
+              2, config.replicate, world_size=config.world_size, timeout=300)
+    t = _slowest(res, steps)
+    return statistics.median(t), max(t) / min(t)
+
+
+def run_all(configs=CONFIGS, repeats: int = 5, steps: int = 8, progress=None) -> dict:
+    """Calibrate every world size, predict every config, then measure it. Returns what :func:`format_table` prints."""
+    tick = progress or (lambda what: None)
+    cals = {}
+    for n in sorted({c.world_size for c in configs}):
+        tick(f"calibrating on {n} ranks")
+        r = max([c.replicate for c in configs if c.world_size == n] + [1])
+        cals[n] = calibrate(n, r, repeats, min(steps, 5))
+    preds = predict_all(configs, cals)       # written down before any of them is measured
+    measured = []
+    for c in configs:
+        tick(f"measuring {c.label}")
+        measured.append(measure(c, steps))
+    return {"configs": list(configs), "predictions": preds, "measured": measured, "calibrations": cals}
+
+
+def format_table(out: dict) -> str:
+    lines = ["α-β fits (per op and group size; spread = worst max/min of a size's windows):"]
+    for n, cal in out["calibrations"].items():
+        for (op, g), ab in sorted(cal.comm.fits.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+            lines.append(f"  N={n} {op:<15} group {g}: α = {ab.alpha_s * 1e6:7.0f} µs, 1/β = "
+                         f"{ab.bandwidth_bytes_per_s / 1e9:5.2f} GB/s   spread {cal.comm_spread[(op, g)]:.2f}")
+        pts = ", ".join(f"{f / 1e9:.2f} GFLOP: {t * 1e3:.1f} ms (spread {s:.2f})" for f, t, s in cal.compute_points)
+        lines.append(f"  N={n} compute, all ranks at once: {cal.compute.overhead_s * 1e3:.1f} ms + FLOPs / "
+                     f"{cal.compute.flops_per_s / 1e9:.1f} GFLOP/s  [{pts}]")
+        lines.append(f"  N={n} FSDP2's own work per collective γ = {cal.per_collective_s * 1e3:.2f} ms")
+    head = (f"{'configuration':<27}{'compute':>9}{'γ·colls':>9}{'comm':>9}{'predicted':>11}{'measured':>10}"
+            f"{'spread':>8}{'ratio':>7}")
+    lines += ["", head, "-" * len(head)]
+    ratios = []
+    for c, p, (m, s) in zip(out["configs"], out["predictions"], out["measured"]):
+        ratios.append(p.step_s / m)
+        lines.append(f"{c.label:<27}{p.compute_s * 1e3:>7.1f}ms{p.framework_s * 1e3:>7.1f}ms{p.comm_s * 1e3:>7.1f}ms"
+                     f"{p.step_s * 1e3:>9.1f}ms{m * 1e3:>8.1f}ms{s:>8.2f}{ratios[-1]:>7.2f}")
+    worst = max(ratios, key=lambda r: abs(r - 1))
+    lines.append(f"worst ratio predicted/measured: {worst:.2f} "
+                 f"({'within' if 0.75 <= worst <= 1.25 else 'OUTSIDE'} the ±25% goal)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m course_lib bench step-time", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="timed windows per collective size")
+    ap.add_argument("--steps", type=int, default=8, help="timed training steps per configuration")
+    a = ap.parse_args(argv)
+    out = run_all(CONFIGS, a.repeats, a.steps, progress=lambda what: print(f"... {what}", flush=True))
+    print(format_table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

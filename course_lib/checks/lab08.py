@@ -1,0 +1,234 @@
+"""Lab 08's exercise checks (performance): a step time from the model, the compute-bound batch, a 70B plan.
+
+Every check is pure arithmetic against :mod:`course_lib.maths.step_model` and :mod:`course_lib.maths.planner`
+on fixed inputs (no timing), so a right answer always passes and each likely mistake gets its own diagnosis.
+``HINTS[name]`` holds three layers of hints per exercise: the idea, the method, then near-code.
+"""
+from __future__ import annotations
+
+import math
+
+from course_lib import checks
+from course_lib.maths import planner, step_model
+from course_lib.maths.costs import AlphaBeta
+
+__all__ = ["HINTS", "hint", "REFERENCE_CAL", "reference_step_seconds", "check_step_seconds",
+           "reference_compute_bound_batch", "check_compute_bound_batch", "EX3_CLUSTER", "EX3_BUDGET",
+           "EX3_SEQ", "reference_plan_70b", "check_plan_70b"]
+
+HINTS = {
+    "step_seconds": [
+        "A step is compute, plus the framework's own work around each collective, plus every collective's "
+        "α-β time. Each term has its own fitted numbers.",
+        "Walk cost.ops: each OpCost is `count` calls of one op over a group of `group_size` ranks, moving "
+        "`wire_bytes` in all. Look up that (op, group) fit in comm; α is paid per call, β per wire byte. "
+        "Compute is compute.seconds(flops); the framework term is γ per call, and DDP (strategy 'dp') has none.",
+        "sum(o.count * ab.alpha_s + ab.beta_s_per_byte * o.wire_bytes for o in cost.ops with "
+        "ab = comm.alpha_beta(o.op, o.group_size)) + compute.seconds(flops) + gamma * (calls, unless dp)",
+    ],
+    "compute_bound_batch": [
+        "Compute grows with the batch, FSDP's traffic does not: find where the first catches up with the second.",
+        "Try per-GPU batches 1, 2, 3, ... with planner.plan(model, cluster, strategy, b, seq_len=...) and "
+        "stop at the first plan whose compute_s >= comm_s (plan.compute_bound). Per GPU, in sequences.",
+        "next(b for b in range(1, limit + 1) if planner.plan(model, cluster, strategy, b, seq_len=seq_len, "
+        "checkpointing=checkpointing).compute_bound), or None when none is",
+    ],
+    "plan_70b": [
+        "Model state alone is 16 bytes per parameter divided by the GPUs that share it; activations come on "
+        "top and grow with the batch. Both must fit under the budget.",
+        "Shard over as many GPUs as you can (which strategy keeps 16Ψ/N?), recompute activations "
+        "(checkpointing='full'), then raise the batch while planner.plan(...).total stays under the budget.",
+        "p = planner.plan(planner.LLAMA3_70B, cluster, 'fsdp', b, seq_len=EX3_SEQ, checkpointing='full'); "
+        "keep the largest b with p.total <= budget; report memory_bytes=p.total",
+    ],
+}
+
+
+def hint(name: str, level: int = 1) -> str:
+    """The hint of ``level`` (1: the idea, 2: the method, 3: near-code) for exercise ``name``."""
+    if name not in HINTS:
+        raise KeyError(f"no hints for {name!r}; exercises: {sorted(HINTS)}")
+    if level not in (1, 2, 3):
+        raise ValueError(f"level={level} must be 1, 2 or 3")
+    return HINTS[name][level - 1]
+
+
+# -- exercise 1: a step time from the model -------------------------------------------------------------
+#: A calibration with round numbers (the shape of one measured on a 2-core laptop): the check's fixed input.
+REFERENCE_CAL = {
+    "compute": step_model.ComputeModel(8e-3, 40e9),
+    "comm": step_model.CommModel({
+        ("all_gather", 4): AlphaBeta(3e-3, 1 / 0.7e9), ("reduce_scatter", 4): AlphaBeta(4e-3, 1 / 0.4e9),
+        ("all_reduce", 4): AlphaBeta(2.5e-3, 1 / 0.8e9), ("all_gather", 2): AlphaBeta(1.2e-3, 1 / 0.6e9),
+        ("reduce_scatter", 2): AlphaBeta(2e-3, 1 / 0.35e9), ("all_reduce", 2): AlphaBeta(1.5e-3, 1 / 0.9e9)}),
+    "gamma": 3e-3,
+}
+_EX1_CASES = (("dp", 4, 16, 128, 1), ("fsdp", 4, 16, 128, 1), ("hsdp", 4, 16, 128, 2), ("fsdp", 2, 8, 256, 1))
+
+
+def _ex1_inputs(strategy, n, batch, width, replicate):
+    from course_lib.models.config import GPTConfig
+    cfg = GPTConfig(vocab_size=67, seq_len=64, d_model=width, n_heads=4, n_layers=2, d_ff=4 * width)
+    pred = step_model.predict(strategy, cfg, n, batch, REFERENCE_CAL["compute"], REFERENCE_CAL["comm"],
+                              replicate=replicate, root_unit=None if strategy == "dp" else 0,
+                              per_collective_s=REFERENCE_CAL["gamma"])
+    return pred
+
+
+def reference_step_seconds(strategy, cost, flops, compute, comm, gamma) -> float:
+    """The model's step (no overlap): compute + γ · calls (not for DP) + Σ count·α + β·wire."""
+    calls = sum(o.count for o in cost.ops)
+    return (compute.seconds(flops) + (0.0 if strategy == "dp" else gamma * calls)
+            + sum(comm.seconds(o) for o in cost.ops))
+
+
+def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
+    """Likely wrong answers, by diagnosis."""
+    calls = sum(o.count for o in cost.ops)
+    fw = 0.0 if strategy == "dp" else gamma * calls
+    ab = lambda o: comm.alpha_beta(o.op, o.group_size)  # noqa: E731
+    return {
+        "left out α: every call pays the latency α, however small the message": compute.seconds(flops) + fw + sum(
+            ab(o).beta_s_per_byte * o.wire_bytes for o in cost.ops),
+        "paid α once per op kind: α is per *call*, and an op runs `count` times a step": compute.seconds(flops) + fw + sum(
+            ab(o).alpha_s + ab(o).beta_s_per_byte * o.wire_bytes for o in cost.ops),
+        "used payload bytes: β multiplies the *wire* bytes (ring: (N-1)/N of the payload, 2(N-1)/N for an "
+        "all-reduce)": compute.seconds(flops) + fw + sum(
+            o.count * ab(o).alpha_s + ab(o).beta_s_per_byte * o.payload_bytes for o in cost.ops),
+        "used the all-reduce fit for every op: each op has its own α and β (gloo's reduce-scatter costs about "
+        "an all-reduce)": compute.seconds(flops) + fw + sum(
+            o.count * comm.alpha_beta("all_reduce", o.group_size).alpha_s
+            + comm.alpha_beta("all_reduce", o.group_size).beta_s_per_byte * o.wire_bytes for o in cost.ops),
+        "left out compute: the step also runs forward, backward and the optimizer": fw + sum(
+            comm.seconds(o) for o in cost.ops),
+        "left out the framework term γ · calls (FSDP2's hooks and copies around each collective)":
+            compute.seconds(flops) + sum(comm.seconds(o) for o in cost.ops),
+    }
+
+
+def check_step_seconds(fn, name: str = "step_seconds") -> bool:
+    """``fn(strategy, cost, flops, compute, comm, gamma)`` returns the model's step time in seconds."""
+    with checks.check(name) as c:
+        for strategy, n, batch, width, r in _EX1_CASES:
+            pred = _ex1_inputs(strategy, n, batch, width, r)
+            args = (strategy, pred.cost, pred.flops, REFERENCE_CAL["compute"], REFERENCE_CAL["comm"],
+                    REFERENCE_CAL["gamma"])
+            got, want = fn(*args), reference_step_seconds(*args)
+            if not isinstance(got, (int, float)) or not math.isfinite(got):
+                raise AssertionError(f"{strategy} N={n}: returned {got!r}; return the step time in seconds (a float)")
+            if math.isclose(got, want, rel_tol=1e-6):
+                continue
+            where = f"{strategy} N={n} B={batch} d={width}: got {got * 1e3:.3f} ms, the model says {want * 1e3:.3f} ms"
+            for why, value in _ex1_mistakes(*args).items():
+                if math.isclose(got, value, rel_tol=1e-6) and not math.isclose(value, want, rel_tol=1e-6):
+                    raise AssertionError(f"{where} → {why}")
+            if math.isclose(got, want / 1e3, rel_tol=1e-6):
+                raise AssertionError(f"{where} → looks like milliseconds / 1000 twice? return seconds")
+            raise AssertionError(f"{where} → compare term by term with step_model.predict(...).comm_by_op")
+        c.ok(f"{len(_EX1_CASES)} configurations (DP, FSDP, HSDP 2x2, FSDP on 2 ranks) match the model")
+    return bool(c.passed)
+
+
+# -- exercise 2: the compute-bound batch ----------------------------------------------------------------
+_EX2_CASES = (
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 1), "fsdp", 8192, "full"),
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 4, inter=planner.ETH_100G), "fsdp", 4096, "full"),
+    (planner.LLAMA3_70B, planner.Cluster(planner.H100, 8, 8, inter=planner.IB_NDR), "fsdp", 4096, "full"),
+    (planner.LLAMA3_8B, planner.Cluster(planner.A100_80GB, 1, 8, planner.NVLINK_A100, planner.ETH_10G), "fsdp",
+     2048, "none"),
+)
+LIMIT = 4096
+
+
+def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointing="full"):
+    """The smallest per-GPU batch (sequences) whose compute time >= communication time, or None up to LIMIT."""
+    lo, hi = 1, LIMIT
+    bound = lambda b: planner.plan(model, cluster, strategy, b, seq_len=seq_len,  # noqa: E731
+                                   checkpointing=checkpointing).compute_bound
+    if not bound(hi):
+        return None
+    while lo < hi:                       # compute grows with b, comm does not: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if bound(mid) else (mid + 1, hi)
+    return lo
+
+
+def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
+    """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
+    with checks.check(name) as c:
+        rows = []
+        for model, cluster, strategy, seq, ac in _EX2_CASES:
+            want, got = reference_compute_bound_batch(model, cluster, strategy, seq, ac), fn(model, cluster, strategy, seq, ac)
+            where = (f"{model.name} on {cluster.nodes}x{cluster.gpus_per_node} {cluster.gpu.name} "
+                     f"({cluster.inter.name if cluster.nodes > 1 else cluster.intra.name}), seq {seq}")
+            if got == want:
+                rows.append(f"{model.name} {cluster.nodes * cluster.gpus_per_node} GPUs: {want}")
+                continue
+            msg = f"{where}: got {got!r}, expected {want}"
+            if want is not None and isinstance(got, (int, float)):
+                if got == want - 1:
+                    msg += " → off by one: that is the last batch that is NOT yet compute-bound"
+                elif got == want * seq:
+                    msg += " → that is tokens; the answer is in sequences per GPU"
+                elif got == want * cluster.world:
+                    msg += " → that is the global batch; the answer is per GPU"
+                elif not float(got).is_integer() or (got < want and math.ceil(got) == want):
+                    msg += " → a batch is a whole number of sequences: round the crossing point up"
+                elif got < want:
+                    msg += " → too small: at that batch communication still takes longer than compute"
+                else:
+                    msg += " → not the smallest: a smaller batch is already compute-bound"
+            raise AssertionError(msg)
+        c.ok("; ".join(rows))
+    return bool(c.passed)
+
+
+# -- exercise 3: a 70B run under a memory budget ---------------------------------------------------------
+EX3_CLUSTER = planner.Cluster(planner.H100, 8, 4, inter=planner.IB_NDR)   #: 32 H100s, 4 nodes
+EX3_BUDGET = 70 * planner.GiB                                            #: per GPU, leaving 10 GiB of headroom
+EX3_SEQ = 4096
+_KEYS = ("strategy", "batch", "checkpointing", "replicate", "memory_bytes")
+
+
+def reference_plan_70b(cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> dict:
+    """FSDP over every GPU, full checkpointing, the largest batch that fits."""
+    best = None
+    for b in range(1, 65):
+        p = planner.plan(planner.LLAMA3_70B, cluster, "fsdp", b, seq_len=EX3_SEQ, checkpointing="full")
+        if p.total > budget:
+            break
+        best = {"strategy": "fsdp", "batch": b, "checkpointing": "full", "replicate": 1, "memory_bytes": p.total}
+    return best
+
+
+def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> bool:
+    """``answer`` (a dict, or a function returning one): strategy, batch, checkpointing, replicate and your own
+    estimate ``memory_bytes`` of one GPU's memory. It must fit ``budget`` and the estimate must be right."""
+    with checks.check(name) as c:
+        a = answer() if callable(answer) else answer
+        if not isinstance(a, dict) or set(a) != set(_KEYS):
+            raise AssertionError(f"return a dict with exactly the keys {_KEYS}, got {a!r}")
+        try:
+            p = planner.plan(planner.LLAMA3_70B, cluster, a["strategy"], a["batch"], seq_len=EX3_SEQ,
+                             checkpointing=a["checkpointing"], replicate=a["replicate"])
+        except ValueError as exc:
+            raise AssertionError(f"the planner refuses this plan: {exc}") from None
+        g = lambda b: f"{b / planner.GiB:.1f} GiB"  # noqa: E731
+        if p.total > budget:
+            why = (f"{a['strategy']} keeps {g(p.state)} of model state per GPU alone" if p.state > budget else
+                   f"activations take {g(p.activations)} at batch {a['batch']}"
+                   + (" without checkpointing" if a["checkpointing"] == "none" else ""))
+            raise AssertionError(f"does not fit: {g(p.total)} per GPU (state {g(p.state)}, buffers {g(p.buffers)}, "
+                                 f"activations {g(p.activations)}) > budget {g(budget)} → {why}")
+        est = a["memory_bytes"]
+        if not isinstance(est, (int, float)) or est <= 0:
+            raise AssertionError(f"memory_bytes={est!r}: give your estimate of one GPU's memory in bytes")
+        if abs(est - p.total) > 0.1 * p.total:
+            if abs(est - (p.state + p.buffers)) <= 0.1 * p.total or abs(est - p.state) <= 0.1 * p.state:
+                raise AssertionError(f"your estimate {g(est)} ignores activations: the planner says {g(p.total)}, of "
+                                     f"which {g(p.activations)} are activations (and logits) at batch {a['batch']}")
+            raise AssertionError(f"your estimate {g(est)} is off: the planner says {g(p.total)} (state {g(p.state)}, "
+                                 f"buffers {g(p.buffers)}, activations {g(p.activations)})")
+        c.ok(f"{a['strategy']}, batch {a['batch']} x {EX3_SEQ}, checkpointing {a['checkpointing']}: {g(p.total)} of "
+             f"{g(budget)}; {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {p.mfu:.0%} (model)")
+    return bool(c.passed)
