@@ -6,7 +6,12 @@ see *how* the answer was computed, not only what it returned. Outcomes as in :mo
 ✅ with a one-line summary, ⏳ for a stub, ❌ with the likely mistake.
 
 Test models have awkward sizes on purpose (``Linear(17, 257)``: 4,626 elements, 2 of padding at N=4),
-so a forgotten pad or a wrong shard offset cannot pass by luck.
+so a forgotten pad or a wrong shard offset cannot pass by luck. Later cells of the lab run the
+learner's code in float64 and train with it, so the checks test dtypes too, and train with plain SGD
+(AdamW would normalise a gradient-scale error away).
+
+Longer than ~300 lines: four exercise checks, each with the diagnoses of its classic mistakes, sharing
+one training harness (DDP beside the learner's FSDP, gradients, ledger, prefetch plan).
 """
 from __future__ import annotations
 
@@ -14,124 +19,228 @@ import numpy as np
 
 from course_lib import checks
 from course_lib.maths import costs
-from course_lib.models import LAB_CONFIG
 from course_lib.maths.sharding import flat_layout, padded_size
+from course_lib.models import LAB_CONFIG
 
-__all__ = ["check_flat_shard", "check_unshard_function", "check_fsdp_class", "check_prefetch"]
+__all__ = ["HINTS", "check_flat_shard", "check_unshard_function", "check_fsdp_class", "check_prefetch"]
 
+#: Layered hints, general to specific (``checks.hint(name, level)``); the last level is near-code.
+HINTS = {
+    "flat_shard": [
+        "One long buffer: every tensor flattened and laid end to end, then made divisible by `world` so "
+        "that every rank gets a piece of the same size. Rank r keeps the r-th piece.",
+        "The piece size is S = ceil(numel / world). Append zeros at the END (not the front) until the "
+        "buffer holds S·world elements; rank r's piece starts at r·S. Keep the tensors' dtype, and return "
+        "a copy so that the big buffer can be freed.",
+        "torch.cat of t.reshape(-1) for each tensor; S = -(-numel // world); torch.cat with "
+        "flat.new_zeros(S * world - numel); then flat[rank * S:(rank + 1) * S].clone().",
+    ],
+    "Unshard": [
+        "Forward: every rank contributes its shard and receives all of them (one collective), in a new "
+        "buffer of N times the shard's size. Backward: every rank needs only its own slice of the "
+        "gradient, summed over ranks, then divided by N to make it a mean.",
+        "Allocate the gathered buffer like the shard (same dtype and device: the lab later runs in "
+        "float64), record it in flat.unsharded, set flat.state to State.UNSHARDED and keep flat on ctx. "
+        "In backward: a reduce-scatter into a shard-sized buffer, ÷N, flat.reshard(), and return one "
+        "gradient per forward input (None for flat).",
+        "forward: full = torch.empty(n * sharded.numel(), dtype=sharded.dtype, device=sharded.device); "
+        "dist.all_gather_into_tensor(full, sharded.detach()). backward: grad = torch.empty(numel // n, "
+        "dtype=..., device=...); dist.reduce_scatter_tensor(grad, grad_full.contiguous()); "
+        "ctx.flat.reshard(); return grad / n, None",
+    ],
+    "MyFSDP": [
+        "Three moments of a unit's life: gather just before it runs, free right after, gather again when "
+        "the backward first needs it. Only the first must be differentiable (it is where the gradient "
+        "flows back to the shard).",
+        "pre_forward: run the gather through the autograd Function (its .apply, with the shard and the "
+        "flat) and point the unit's modules at views of the result. post_forward: drop the gathered "
+        "buffer. pre_backward: gather again, outside autograd.",
+        "pre_forward: full = gather.apply(flat.sharded, flat); flat.set_views(full). "
+        "post_forward: flat.reshard(). pre_backward: flat.unshard().",
+    ],
+    "prefetch": [
+        "While a unit computes, the NEXT unit's all-gather should already be on its way: start it, do not "
+        "wait for it. Its own pre_forward will wait when it needs the result.",
+        "First do everything the reference pre_forward does, then ask which unit runs next "
+        "(self.next_unit, None after the last block) and start its gather asynchronously. One unit "
+        "ahead only: more would hold more memory.",
+        "super().pre_forward(flat); nxt = self.next_unit(flat); if nxt is not None: "
+        "nxt.unshard(async_op=True)",
+    ],
+}
+checks.register_hints(HINTS)
 
+TESTS = {
+    "flat_shard": "six layouts (17×257 + 257 over 3 and 4 ranks, 15 elements over 16 ranks, a float64 "
+                  "one ...): every rank's shard has the same size ceil(numel/N), the zeros of padding sit at "
+                  "the end, the dtype is kept and the shard is a copy (it does not hold the whole buffer)",
+    "Unshard": "on 4 gloo ranks, a Linear(17, 257) unit in float32 and float64: forward returns the whole "
+               "padded buffer (same dtype as the shard) and leaves the flat UNSHARDED; backward gives each "
+               "rank the mean over ranks of its gradient slice and leaves the flat SHARDED; the ledger "
+               "shows one all_gather and one reduce_scatter",
+    "MyFSDP": "3 SGD steps of the lab's GPT on 4 ranks: the gradient shards of step 0 equal DDP's, the "
+              "losses match DDP, no unit is left gathered, and each step's ledger has 4 all-gathers in "
+              "forward, 4 in backward, 4 reduce-scatters (the formula's bytes exactly)",
+    "prefetch": "2 SGD steps on 4 ranks: losses and bytes as without prefetch; each unit's pre_forward "
+                "starts the next unit's all-gather asynchronously (async_op=True), one unit ahead, and the "
+                "peak of gathered parameters is exactly root + 2 blocks",
+}
 
 
 def _reference_shard(tensors, rank: int, world: int) -> np.ndarray:
-    flat = np.concatenate([np.asarray(t, dtype=np.float32).reshape(-1) for t in tensors])
+    flat = np.concatenate([np.asarray(t).reshape(-1) for t in tensors])
     layout = flat_layout([flat.size], world)
-    padded = np.concatenate([flat, np.zeros(layout.padding, np.float32)])
+    padded = np.concatenate([flat, np.zeros(layout.padding, flat.dtype)])
     b = layout.shards[rank]
     return padded[b.start:b.stop]
 
 
 def _front_padded(flat: np.ndarray, world: int) -> np.ndarray:
     pad = padded_size(flat.size, world) - flat.size
-    return np.concatenate([np.zeros(pad, np.float32), flat])
+    return np.concatenate([np.zeros(pad, flat.dtype), flat])
+
+
+def _per_tensor_padded(tensors, world: int) -> np.ndarray:
+    return np.concatenate([np.concatenate([t.reshape(-1), np.zeros(padded_size(t.size, world) - t.size, t.dtype)])
+                           for t in tensors])
 
 
 # -- Lab 03, exercise 1: flatten, concatenate, pad, keep one shard (pure, no ranks) ------------------
 def check_flat_shard(fn, name: str = "flat_shard") -> bool:
     """``fn(tensors, rank, world) -> 1-D tensor``: this rank's shard of the padded flat parameter."""
     import torch
-    cases = [([(17, 257), (257,)], 4), ([(17, 257), (257,)], 3), ([(5,), (2,)], 3), ([(4, 3), (3,)], 16),
-             ([(8, 4)], 4)]
+    cases = [([(17, 257), (257,)], 4, torch.float32), ([(17, 257), (257,)], 3, torch.float32),
+             ([(5,), (2,)], 3, torch.float32), ([(4, 3), (3,)], 16, torch.float32), ([(8, 4)], 4, torch.float32),
+             ([(3, 5), (7,)], 4, torch.float64)]
     g = torch.Generator().manual_seed(3)
-    with checks.check(name) as c:
-        for shapes, world in cases:
-            tensors = [torch.randn(s, generator=g) + 1.0 for s in shapes]   # no zeros: padding shows
+    with checks.check(name, tests=TESTS[name]) as c:
+        for shapes, world, dtype in cases:
+            tensors = [(torch.randn(s, generator=g) + 1.0).to(dtype) for s in shapes]   # no zeros: padding shows
             flat = torch.cat([t.reshape(-1) for t in tensors]).numpy()
             got_all = [fn([t.clone() for t in tensors], r, world) for r in range(world)]
             for r, got in enumerate(got_all):
                 if not isinstance(got, torch.Tensor) or got.dim() != 1:
                     raise AssertionError(f"{name}(shapes {shapes}, rank {r}, world {world}) returned "
-                                         f"{type(got).__name__} {getattr(got, 'shape', '')}; return a 1-D tensor")
+                                         f"{type(got).__name__} {tuple(getattr(got, 'shape', ()))}; return a 1-D tensor")
             sizes = [g_.numel() for g_ in got_all]
             S = padded_size(flat.size, world) // world
             if len(set(sizes)) > 1 or sizes[0] != S:
-                hint = ("the last ranks' shards are short: pad the flat buffer with zeros to "
-                        f"padded_size({flat.size}, {world}) = {S * world} first (collectives need equal sizes)"
-                        if sum(sizes) == flat.size else
-                        f"every shard must have padded_size(numel, N) / N = {S} elements")
+                if sum(sizes) == flat.size:
+                    why = (f"the last ranks' shards are short: pad the flat buffer with zeros to "
+                           f"ceil({flat.size} / {world}) · {world} = {S * world} first (collectives need equal sizes)")
+                elif sum(sizes) == sum(padded_size(t.numel(), world) for t in tensors):
+                    why = "each tensor was padded on its own; pad once, the concatenation of all of them"
+                elif sizes[0] == flat.size // world:
+                    why = f"the shard size is rounded down ({flat.size} // {world}); it must be rounded UP"
+                else:
+                    why = f"every shard must have ceil(numel / N) = {S} elements"
                 raise AssertionError(f"shapes {shapes}, world {world}: shard sizes {sizes}, expected {S} "
-                                     f"on every rank\n   likely mistake: {hint}")
+                                     f"on every rank\n   likely mistake: {why}")
+            if any(g_.dtype != dtype for g_ in got_all):
+                raise AssertionError(f"shapes {shapes} in {dtype}: the shards came back as {got_all[0].dtype}\n"
+                                     "   likely mistake: the padding zeros were made without the tensors' dtype "
+                                     "(torch.zeros(k) is float32): use flat.new_zeros(k), which keeps dtype and device")
             got = torch.cat(got_all).numpy()
-            exp = np.concatenate([_reference_shard(tensors, r, world) for r in range(world)])
+            exp = np.concatenate([_reference_shard([t.numpy() for t in tensors], r, world) for r in range(world)])
             front = _front_padded(flat, world)
+            per_tensor = _per_tensor_padded([t.numpy() for t in tensors], world)
 
             def padded_in_front(g_, e_, front=front):
                 if g_.shape == front.shape and np.allclose(g_, front):
                     return "the padding is at the front; FSDP pads at the END, so rank 0 starts at element 0"
+
+            def padded_each(g_, e_, per=per_tensor):
+                if g_.shape == per.shape and np.allclose(g_, per):
+                    return "each tensor was padded on its own; pad once, the concatenation of all of them"
             checks.assert_close(f"{name}: the {world} shards of {shapes}, concatenated", got, exp, rtol=0, atol=0,
-                                hint=[padded_in_front, checks.wrong_shard_offset(world)])
-        c.ok(f"{len(cases)} cases (17×257 + 257 over 3 and 4 ranks, 7 elements over 3, 15 over 16 ...): "
-             "equal shard sizes, padding zeros at the end")
+                                hint=[padded_in_front, padded_each, checks.wrong_shard_offset(world)])
+            held = got_all[0].untyped_storage().nbytes() // got_all[0].element_size()
+            if held > S:
+                raise AssertionError(f"shapes {shapes}, world {world}: rank 0's shard is a view that keeps the "
+                                     f"whole {held:,}-element buffer alive, not a {S:,}-element copy\n"
+                                     "   likely mistake: return the slice's .clone() — the point of sharding is "
+                                     "that the full buffer can be freed")
+        c.ok(f"{len(cases)} cases (17×257 + 257 over 3 and 4 ranks, 7 elements over 3, 15 over 16, one in float64): "
+             "equal shard sizes, padding zeros at the end, dtype kept, each shard a copy")
     return bool(c.passed)
 
 
 # -- Lab 03, exercise 2: all-gather in forward, reduce-scatter ÷N in backward ------------------------
-def _unit_on_rank(fn_cls):
+def _unit_on_rank(fn_cls, dtype_name: str):
     import torch
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
     from course_lib.strategies.fsdp import FlatParameter
     r, n = dist.get_rank(), dist.get_world_size()
-
-    def one_pass():
-        torch.manual_seed(0)                           # the same module on every rank
-        lin = torch.nn.Linear(17, 257)                 # weight (257, 17), bias (257,): 4,626 elements
-        slots = [(f"lin.{a}", lin, a, p) for a, p in lin._parameters.items()]
-        flat = FlatParameter("lin", slots, None)
-        coef = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + r)) for *_, p in slots]
-        with lt.phase("forward"):
-            full = fn_cls.apply(flat.sharded, flat)
-        state_fwd = flat.state.name
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)                               # the same module on every rank
+    lin = torch.nn.Linear(17, 257).to(dtype)           # weight (257, 17), bias (257,): 4,626 elements
+    slots = [(f"lin.{a}", lin, a, p) for a, p in lin._parameters.items()]
+    flat = FlatParameter("lin", slots, None)
+    coef = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + r)).to(dtype) for *_, p in slots]
+    with (lt.phase("forward") if dtype is torch.float32 else lt.paused()):
+        full = fn_cls.apply(flat.sharded, flat)
+    out = {"type": type(full).__name__, "dtype": str(getattr(full, "dtype", None)), "state_fwd": flat.state.name,
+           "held": flat.unsharded is not None and flat.unsharded is full}
+    if not isinstance(full, torch.Tensor) or full.dim() != 1 or full.numel() != flat.layout.padded_numel:
+        out["full_numel"] = full.numel() if isinstance(full, torch.Tensor) else -1
+        out["padded"] = flat.layout.padded_numel
+        return out
+    full_ref = torch.cat([p.detach().reshape(-1) for *_, p in slots])
+    with (lt.phase("backward") if dtype is torch.float32 else lt.paused()):
         loss = sum((v * c_).sum() for v, c_ in zip(flat.views(full), coef))   # rank r's gradient is coef_r
         loss.backward()
-        return flat, slots, coef, full, state_fwd
-
-    flat, slots, coef, full, state_fwd = one_pass()
-    full_ref = torch.cat([p.detach().reshape(-1) for *_, p in slots])
-    grad_full = torch.cat([c_.reshape(-1) for c_ in coef] + [torch.zeros(flat.layout.padding)])
+    grad_full = torch.cat([c_.reshape(-1) for c_ in coef] + [torch.zeros(flat.layout.padding, dtype=dtype)])
     with lt.paused():
         dist.all_reduce(grad_full)
     b = flat.layout.shards[r]
-    return {"full": full.detach()[:full_ref.numel()], "full_numel": full.numel(), "ref": full_ref,
-            "grad": flat.sharded.grad, "grad_ref": (grad_full / n)[b.start:b.stop],
-            "state_fwd": state_fwd, "state_bwd": flat.state.name, "padded": flat.layout.padded_numel}
+    g = flat.sharded.grad
+    out.update({"full": full.detach()[:full_ref.numel()], "full_numel": full.numel(), "ref": full_ref,
+                "grad": g, "grad_dtype": str(getattr(g, "dtype", None)), "grad_ref": (grad_full / n)[b.start:b.stop],
+                "state_bwd": flat.state.name, "padded": flat.layout.padded_numel})
+    return out
+
+
+def _dtype_failure(exc) -> str | None:
+    text = str(exc)
+    if getattr(exc, "exc_type", "") in ("RuntimeError", "TypeError", "ValueError") and (
+            "dtype" in text.lower() or "type" in text.lower() and "float" in text.lower()):
+        return ("in float64 your code raised: " + text.split("\n")[0][:200] + "\n   likely mistake: a buffer "
+                "allocated without dtype= (torch.empty(k) is float32): allocate like the input, "
+                "dtype=sharded.dtype, device=sharded.device")
+    return None
 
 
 def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -> bool:
     """``fn_cls.apply(sharded, flat)``: forward all-gathers the padded flat buffer (flat UNSHARDED);
-    backward reduce-scatters the gradient and divides by N (flat SHARDED again)."""
+    backward reduce-scatters the gradient and divides by N (flat SHARDED again); in float32 and float64."""
     from course_lib.launch import run
-    with checks.check(name) as c:
-        out = run(_unit_on_rank, fn_cls, world_size=world_size)
+    with checks.check(name, tests=TESTS[name]) as c:
+        out = run(_unit_on_rank, fn_cls, "float32", world_size=world_size)
         n, padded = world_size, out[0]["padded"]
         if out[0]["full_numel"] != padded:
-            raise AssertionError(f"forward returned {out[0]['full_numel']} elements, expected the padded all-gather "
-                                 f"output of {padded} (N × shard); return the whole gathered buffer")
+            got = out[0]["full_numel"]
+            why = (f"that is one shard ({padded // n}): return the gathered buffer, not the input" if got == padded // n
+                   else "return the whole gathered buffer, padding included (N × shard)")
+            raise AssertionError(f"forward returned {out[0]['type']} of {got} elements, expected the padded all-gather "
+                                 f"output of {padded} elements\n   likely mistake: {why}")
         for r in range(n):
             checks.assert_close(f"{name}.forward on rank {r} (padding stripped)", out[r]["full"], out[r]["ref"],
                                 rtol=0, atol=0, hint=[checks.wrong_shard_offset(1)])
-        if out[0]["state_fwd"] != "UNSHARDED":
-            raise AssertionError("after forward the flat is still SHARDED: set flat.unsharded = the gathered "
-                                 "buffer and flat.state = State.UNSHARDED")
+        if out[0]["state_fwd"] != "UNSHARDED" or not out[0]["held"]:
+            raise AssertionError("after forward the flat is not UNSHARDED with its buffer: set flat.unsharded = the "
+                                 "gathered buffer and flat.state = State.UNSHARDED (the hooks read both)")
         for r in range(n):
             if out[r]["grad"] is None:
-                raise AssertionError(f"rank {r}: flat.sharded.grad is None → backward must return the gradient "
-                                     "shard as its first output (and None for `flat`)")
+                raise AssertionError(f"rank {r}: flat.sharded.grad is None\n   likely mistake: backward must "
+                                     "return the gradient shard as its first output (and None for `flat`)")
             checks.assert_close(f"{name}.backward: gradient shard on rank {r}", out[r]["grad"], out[r]["grad_ref"],
-                                rtol=1e-5, atol=1e-6, hint=[checks.summed_not_averaged(n), checks.averaged_twice(n)])
+                                rtol=1e-5, atol=1e-6, hint=[checks.summed_not_averaged(n), _divided_twice(n),
+                                                             _full_not_shard(out[r]["grad_ref"])])
         if out[0]["state_bwd"] != "SHARDED":
-            raise AssertionError("the gradient is right, but the flat is still UNSHARDED after backward: free it "
-                                 "(flat.reshard()) once the gradient is reduce-scattered")
+            raise AssertionError("the gradient is right, but the flat is still UNSHARDED after backward\n   likely "
+                                 "mistake: free it (ctx.flat.reshard()) once the gradient is reduce-scattered")
         led = out.ledger.filter(rank=0)
         fwd, bwd = [x.op for x in led.filter(phase="forward")], [x.op for x in led.filter(phase="backward")]
         if fwd != ["all_gather"] or bwd != ["reduce_scatter"]:
@@ -139,34 +248,104 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
                                  "expected one all_gather in forward and one reduce_scatter in backward "
                                  "(an all_reduce sends 2× the bytes and keeps the whole gradient)")
         wire = costs.ledger_wire_bytes(led)
-        c.ok(f"gathers {padded:,} elements (2 of padding), gradient shard = mean over {n} ranks; "
-             f"ledger: all_gather + reduce_scatter, {wire:,.0f} wire bytes on rank 0")
+        try:
+            out64 = run(_unit_on_rank, fn_cls, "float64", world_size=world_size)
+        except Exception as e:  # noqa: BLE001 - a RankError from the float64 run
+            why = _dtype_failure(e)
+            if why:
+                raise AssertionError(why) from None
+            raise
+        if out64[0]["dtype"] != "torch.float64" or out64[0].get("grad_dtype") != "torch.float64":
+            raise AssertionError(f"with a float64 shard, forward returned {out64[0]['dtype']} and the gradient "
+                                 f"came back {out64[0].get('grad_dtype')}\n   likely mistake: a buffer allocated "
+                                 "without dtype= (torch.empty(k) is float32): allocate like the input, "
+                                 "dtype=sharded.dtype, device=sharded.device (the lab's parity check runs in float64)")
+        c.ok(f"gathers {padded:,} elements (2 of padding), gradient shard = mean over {n} ranks, in float32 and "
+             f"float64; ledger: all_gather + reduce_scatter, {wire:,.0f} wire bytes on rank 0")
     return bool(c.passed)
 
 
+def _divided_twice(n: int):
+    def detect(got, exp):
+        if np.any(exp != 0) and np.allclose(got, exp / n, rtol=1e-4, atol=1e-7):
+            return (f"got is the mean ÷{n} again → you divided twice (ReduceOp.AVG and then ÷N, or ÷N twice); "
+                    "the reduce-scatter sums, divide once")
+    return detect
+
+
+def _full_not_shard(_):
+    def detect(got, exp):
+        if got.size != exp.size:
+            return "the gradient must have the shard's size: reduce-scatter into a shard-sized buffer"
+    return detect
+
+
 # -- Lab 03, exercise 3 and 4: the unit lifecycle, then prefetch -------------------------------------
-def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict):
-    import torch
+def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict, log_prefetch: bool = False):
     import torch.distributed as dist
+
+    from course_lib.models.data import TokenTask
+    from course_lib.strategies import fsdp
+    from course_lib.strategies.fsdp import State
+    r, n = dist.get_rank(), dist.get_world_size()
+    task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
+    out, events = {}, []
+    if log_prefetch:   # which gathers are started where: the plan of a prefetch, beside its bytes
+        real_unshard, current = fsdp.FlatParameter.unshard, []
+
+        def unshard(self, async_op=False):
+            if self.state is State.SHARDED and self._pending is None:
+                events.append((current[-1] if current else None, self.name or "root", bool(async_op)))
+            return real_unshard(self, async_op)
+        fsdp.FlatParameter.unshard = unshard
+    try:
+        _train_both(cls, cfg, steps, batch, kwargs, log_prefetch, task, r, n, out, current if log_prefetch else None,
+                    events)
+    finally:
+        if log_prefetch:
+            fsdp.FlatParameter.unshard = real_unshard   # the ranks are reused: leave no patch behind
+    out["events"] = events
+    out.pop("ddp_grads", None)
+    return out
+
+
+def _train_both(cls, cfg, steps, batch, kwargs, log_prefetch, task, r, n, out, current, events):
+    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.comm import torch_ledger as lt
-    from course_lib.models.data import TokenTask
-    from course_lib.strategies.fsdp import State
     from course_lib.models import loss_fn, torch_gpt
-    r, n = dist.get_rank(), dist.get_world_size()
-    task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
-    out = {}
+    from course_lib.strategies.fsdp import State
     for kind in ("ddp", "fsdp"):
         model = torch_gpt(cfg, seed=0)
         m = DDP(model) if kind == "ddp" else cls(model, list(model.blocks), **kwargs)
-        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        if kind == "fsdp" and log_prefetch:
+            for phase in ("pre_forward", "post_forward"):
+                def wrapped(flat, f=getattr(m, phase), phase=phase):
+                    current.append(f"{phase}:{flat.name or 'root'}")
+                    try:
+                        return f(flat)
+                    finally:
+                        current.pop()
+                setattr(m, phase, wrapped)
+        opt = torch.optim.SGD(m.parameters(), lr=0.3)   # SGD: a wrong gradient scale shows in the losses
         losses, states = [], []
         for s in range(steps):
+            events.clear()                        # the prefetch plan of the last step
             x, y = (torch.from_numpy(a) for a in task.rank_batch(s, batch, r, n))
             with (lt.phase("forward", step=s) if kind == "fsdp" else lt.paused()):
                 loss = loss_fn(m(x), y)
                 loss.backward()                   # labelled "backward" by the ledger itself
+            if s == 0 and kind == "ddp":
+                out["ddp_grads"] = {k.removeprefix("module."): p.grad.detach().clone() for k, p in m.named_parameters()}
+            if s == 0 and kind == "fsdp":
+                got, want = [], []
+                for f in m.flats:
+                    g = torch.cat([out["ddp_grads"][k].reshape(-1) for k in f.fqns] + [torch.zeros(f.layout.padding)])
+                    b = f.layout.shards[r]
+                    want.append(g[b.start:b.stop])
+                    got.append(f.sharded.grad.detach().clone() if f.sharded.grad is not None else None)
+                out["grads"], out["grads_ref"] = got, want
             opt.step()
             opt.zero_grad()
             losses.append(lt.unrecorded_mean(loss))
@@ -175,14 +354,49 @@ def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict):
         out[kind] = losses
         if kind == "fsdp":
             out.update(states=states, units=m.unit_shapes(), flats=[f.unsharded_bytes for f in m.flats],
-                       peak=m.unsharded_peak_bytes, timeline=list(m.timeline),
-                       left=[f.state is State.UNSHARDED for f in m.flats])
-    return out
+                       peak=m.unsharded_peak_bytes, left=[f.state is State.UNSHARDED for f in m.flats],
+                       names=[f.name or "root" for f in m.flats])
 
 
-def _run_fsdp(cls, world_size, steps, kwargs=None):
+#: Errors the FlatFSDP plumbing (or torch) raises for a wrong lifecycle: (type, text, likely mistake).
+_PLUMBING = [
+    ("RuntimeError", "pre_forward left unit", "pre_forward must gather the unit (through your Unshard, so that "
+                                              "its gradient reaches the shard) before the unit runs"),
+    ("AttributeError", "'NoneType' object has no attribute 'as_strided'",
+     "the backward found a unit marked UNSHARDED without its buffer: free it with flat.reshard(), which also "
+     "sets the state back to SHARDED (flat.unsharded = None alone leaves it UNSHARDED, so nothing gathers it again)"),
+    ("AttributeError", "has no attribute", "the unit's modules have no weights while it runs: pre_forward must "
+                                           "point them at views of the gathered buffer (flat.set_views(full))"),
+    ("RuntimeError", "pre_backward left unit", "pre_backward must gather the unit again (flat.unshard()): "
+                                               "post_forward freed it and the backward needs its weights"),
+    ("RuntimeError", "does not require grad", "the gather in pre_forward did not go through the autograd "
+                                              "Function (gather.apply(flat.sharded, flat)), so the loss has no "
+                                              "path back to the shards"),
+]
+
+
+def _run_fsdp(cls, world_size, steps, kwargs=None, log_prefetch=False):
     from course_lib.launch import run
-    return run(_train_on_rank, cls, LAB_CONFIG, steps, 8, kwargs or {}, world_size=world_size)
+    try:
+        return run(_train_on_rank, cls, LAB_CONFIG, steps, 8, kwargs or {}, log_prefetch, world_size=world_size)
+    except Exception as e:  # noqa: BLE001 - the plumbing's own diagnoses become a ❌ with the reason
+        text, kind = str(e), getattr(e, "exc_type", "")
+        for etype, says, why in _PLUMBING:
+            if kind == etype and says in text:
+                first = text.split("\n")[0].split(": ", 1)[-1]
+                raise AssertionError(f"on rank {e.rank}: {first}\n   likely mistake: {why}") from None
+        raise
+
+
+def _check_grads(o, name, n):
+    if any(g is None for g in o["grads"]):
+        units = [u for u, g in zip(o["names"], o["grads"]) if g is None]
+        raise AssertionError(f"after the first backward the shards of {units} have no gradient\n   likely "
+                             "mistake: the gather in pre_forward did not go through the autograd Function "
+                             "(gather.apply(flat.sharded, flat)), so autograd never reaches the shard")
+    for u, g, e in zip(o["names"], o["grads"], o["grads_ref"]):
+        checks.assert_close(f"{name}: step 0 gradient shard of unit {u} vs DDP's (rank 0)", g, e, rtol=1e-4, atol=1e-6,
+                            hint=[checks.summed_not_averaged(n), _divided_twice(n)])
 
 
 def _check_ledger(led, units, n, steps, reshard=True):
@@ -218,35 +432,69 @@ def _check_ledger(led, units, n, steps, reshard=True):
 
 
 def check_fsdp_class(cls, world_size: int = 4, steps: int = 3, name: str = "MyFSDP") -> bool:
-    """``cls(model, units)`` trains the lab's GPT: same losses as DDP, FSDP's ledger, units freed."""
-    with checks.check(name) as c:
+    """``cls(model, units)`` trains the lab's GPT: DDP's gradients and losses, FSDP's ledger, units freed."""
+    with checks.check(name, tests=TESTS[name]) as c:
         out = _run_fsdp(cls, world_size, steps)
         o = out[0]
-        checks.assert_close(f"{name} losses vs DDP ({steps} steps)", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
         if any(o["left"]):
-            raise AssertionError("after the step some units are still UNSHARDED → free them after their backward "
-                                 "(Unshard.backward calls flat.reshard())")
+            raise AssertionError("after the step some units are still UNSHARDED\n   likely mistake: post_forward "
+                                 "must call flat.reshard() (and Unshard.backward frees the unit after its backward)")
+        _check_grads(o, name, world_size)
+        checks.assert_close(f"{name} losses vs DDP ({steps} SGD steps)", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
         analytic = _check_ledger(out.ledger.filter(rank=0), o["units"], world_size, steps)
-        c.ok(f"losses match DDP over {steps} steps; per step {len(o['units'])} all-gathers forward + "
+        c.ok(f"DDP's gradients and losses over {steps} steps; per step {len(o['units'])} all-gathers forward + "
              f"{len(o['units'])} backward + {len(o['units'])} reduce-scatters = {analytic.wire_bytes:,.0f} wire "
              "bytes, the formula exactly")
     return bool(c.passed)
 
 
+def _check_prefetch_plan(events, names):
+    """events: (where, unit, async) of every all-gather actually started. Want: in pre_forward of unit i,
+    an async gather of unit i+1 (forward order root, blocks.0, ...), for every unit but the last."""
+    fwd = [e for e in events if e[0] is not None]            # started inside a lifecycle method
+    started = {}
+    for where, unit, is_async in fwd:
+        started.setdefault(where, []).append((unit, is_async))
+    late = [w for w in started if w.startswith("post_forward")]
+    if late:
+        raise AssertionError(f"gathers started in {late[0]}\n   likely mistake: after a unit's forward is too late "
+                             "to overlap anything; start the next unit's gather in pre_forward")
+    for i, unit in enumerate(names[:-1]):
+        here = [(u, a) for u, a in started.get(f"pre_forward:{unit}", []) if u != unit]
+        want = names[i + 1]
+        if not here:
+            raise AssertionError(f"pre_forward of {unit} started no gather ahead\n   likely mistake: after "
+                                 f"super().pre_forward(flat), start self.next_unit(flat) ({want}) with "
+                                 "async_op=True")
+        if len(here) > 1:
+            raise AssertionError(f"pre_forward of {unit} started {len(here)} gathers ahead ({[u for u, _ in here]})\n"
+                                 "   likely mistake: prefetch ONE unit, the next one: gathering every unit at once "
+                                 "holds them all in memory, which is what FSDP exists to avoid")
+        u, is_async = here[0]
+        if u != want:
+            raise AssertionError(f"pre_forward of {unit} prefetched {u}, but {want} runs next\n   likely mistake: "
+                                 "use self.next_unit(flat), the unit that runs after this one")
+        if not is_async:
+            raise AssertionError(f"pre_forward of {unit} gathered {u} with async_op=False: it waited for it, so "
+                                 "nothing overlaps (a synchronous \"prefetch\" only moves the wait)\n   likely "
+                                 "mistake: nxt.unshard(async_op=True) starts it and returns at once")
+
+
 def check_prefetch(cls, world_size: int = 4, steps: int = 2, name: str = "prefetch") -> bool:
     """``cls(model, units)`` prefetches the next unit: same losses and bytes, the next unit's all-gather
-    is issued before the current unit's forward ends, two blocks unsharded at the peak."""
-    with checks.check(name) as c:
-        out = _run_fsdp(cls, world_size, steps)
+    started asynchronously in the current unit's pre_forward, root + two blocks unsharded at the peak."""
+    with checks.check(name, tests=TESTS[name]) as c:
+        out = _run_fsdp(cls, world_size, steps, log_prefetch=True)
         o = out[0]
+        _check_grads(o, name, world_size)
         checks.assert_close(f"{name} losses vs DDP", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
+        _check_prefetch_plan(o["events"], o["names"])
         _check_ledger(out.ledger.filter(rank=0), o["units"], world_size, steps)
         root, blocks = o["flats"][0], sorted(o["flats"][1:])
         want = root + sum(blocks[-2:])
-        if o["peak"] < want:
-            raise AssertionError(f"at most {o['peak']:,} bytes were unsharded at once, no more than without "
-                                 f"prefetch; with it the root and two blocks ({want:,} bytes) are → call "
-                                 "next.unshard(async_op=True) for the next unit in pre_forward")
-        c.ok(f"losses and bytes unchanged; peak unsharded {o['peak']:,} bytes = root + 2 blocks "
-             f"(without prefetch: root + 1 block = {root + blocks[-1]:,})")
+        if o["peak"] != want:
+            raise AssertionError(f"at most {o['peak']:,} bytes were gathered at once; one unit ahead holds the root "
+                                 f"and two blocks, {want:,} bytes\n   likely mistake: prefetch exactly the next unit")
+        c.ok(f"losses and bytes unchanged; the next unit gathered asynchronously in each pre_forward; peak "
+             f"unsharded {o['peak']:,} bytes = root + 2 blocks (without prefetch: root + 1 block = {root + blocks[-1]:,})")
     return bool(c.passed)
