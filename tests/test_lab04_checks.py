@@ -30,6 +30,37 @@ def blocks_only(model, mesh):
         fully_shard(block, mesh=mesh)
 
 
+def root_first(model, mesh):                    # top-down: the root takes everything, blocks then break it
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model, mesh=mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+
+
+def every_linear(model, mesh):                  # units too small: every Linear its own unit
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        for m in block.modules():
+            if isinstance(m, __import__("torch").nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def never_reshards(model, mesh):                # reshard_after_forward=False: ZeRO-2's traffic and memory
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+
+
+def skips_last_block(model, mesh):              # off by one: the last block stays in the root
+    from torch.distributed.fsdp import fully_shard
+    for block in list(model.blocks)[:-1]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def test_shard_model_right_and_stub(capsys):
     assert lab04.check_shard_model(shard_model) is True
     assert "✅ shard_model: 4 units (root + 3 blocks)" in capsys.readouterr().out
@@ -38,7 +69,11 @@ def test_shard_model_right_and_stub(capsys):
 
 
 @pytest.mark.parametrize("wrong, says", [(root_only, "call fully_shard(block) on every block"),
-                                         (blocks_only, "call fully_shard(model) last")])
+                                         (blocks_only, "call fully_shard(model) last"),
+                                         (root_first, "the root was sharded before the blocks"),
+                                         (every_linear, "sharding each layer inside a block"),
+                                         (never_reshards, "reshard_after_forward=False"),
+                                         (skips_last_block, "call fully_shard(block) on every block")])
 def test_shard_model_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
         lab04.check_shard_model(wrong)
@@ -67,14 +102,56 @@ def one_ahead(model, depth):
     set_prefetch(model, 1)
 
 
-def test_prefetch_plan(capsys):
+def includes_itself(model, depth):
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i:i + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])
+
+
+def wraps_around(model, depth):
+    blocks = list(model.blocks)
+    L = len(blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch([blocks[(i + k) % L] for k in range(1, depth + 1) if (i + k) % L != i])
+        block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])
+
+
+def backward_far_first(model, depth):
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i])
+
+
+def every_block(model, depth):
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:])
+        block.set_modules_to_backward_prefetch(blocks[:i][::-1])
+
+
+def test_prefetch_plan_right_and_stub(capsys):
     assert lab04.check_prefetch_plan(set_prefetch) is True
     assert capsys.readouterr().out.startswith("✅ set_prefetch: 5 blocks")
     assert lab04.check_prefetch_plan(stub_prefetch) is False
     assert "⏳ set_prefetch: not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (backward_not_reversed, "backward runs the blocks in reverse"),
+    (one_ahead, "use `depth`, not a fixed number"),
+    (includes_itself, "prefetches itself"),
+    (wraps_around, "wraps around"),
+    (backward_far_first, "nearest first"),
+    (every_block, "prefetching every block holds them all"),
+])
+def test_prefetch_plan_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
-        lab04.check_prefetch_plan(backward_not_reversed)
-    assert "backward runs the blocks in reverse" in str(err.value)
-    with pytest.raises(CheckFailed) as err:
-        lab04.check_prefetch_plan(one_ahead)
-    assert "the next `depth` blocks" in str(err.value)
+        lab04.check_prefetch_plan(wrong)
+    assert says in str(err.value)
+
+
+def test_reference_prefetch_is_the_library_one():
+    from course_lib.strategies import fsdp2
+    assert lab04.check_prefetch_plan(fsdp2.prefetch_ahead) is True

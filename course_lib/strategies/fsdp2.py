@@ -4,13 +4,14 @@ labs compare, each built on a rank the same way.
 :func:`shard_gpt` is Lab 04's first exercise done: ``fully_shard`` bottom-up (every block, then the root),
 the order "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism" shows and FSDP2
 requires (a parent's ``fully_shard`` leaves out the parameters its children already manage).
+:func:`prefetch_ahead` is its second exercise done: an explicit prefetch plan ``depth`` blocks ahead.
 :func:`build` wraps the lab GPT as ours (:class:`~course_lib.strategies.fsdp.FlatFSDP`), FSDP2 or DDP.
 """
 from __future__ import annotations
 
 from course_lib.models import GPTConfig
 
-__all__ = ["IMPLEMENTATIONS", "shard_gpt", "build"]
+__all__ = ["IMPLEMENTATIONS", "shard_gpt", "prefetch_ahead", "build"]
 
 #: What :func:`build` can wrap the GPT with.
 IMPLEMENTATIONS = ("ours", "fsdp2", "ddp")
@@ -23,6 +24,17 @@ def shard_gpt(model, mesh=None, *, root_kwargs=None, **kwargs):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **{**kwargs, **(root_kwargs or {})})
+    return model
+
+
+def prefetch_ahead(model, depth: int):
+    """Explicit prefetch on an FSDP2-sharded GPT (the reference answer of Lab 04's second exercise):
+    block i starts gathering blocks i+1..i+depth when its forward starts, and i-1..i-depth (nearest
+    first, as the backward reaches them) when its backward starts. ``depth=0`` clears both lists."""
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])
     return model
 
 
