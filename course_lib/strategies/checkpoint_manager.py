@@ -12,8 +12,9 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint` (the
   every file it names exists and is long enough, and that every byte still has the CRC recorded at
   commit. Errors name the file and what is wrong: DCP itself would fail on a truncated file with an
   unpickling error, and would load a corrupted one silently.
-* **keep the last K** -- after a commit, older steps are deleted, but never the newest one that
-  verifies (if the newest committed step were damaged, the one before it would be the only good one).
+* **keep the last K** -- only after a successful commit (a failed save deletes nothing), the newest K
+  steps that verify are kept and every other step is deleted: a damaged newer step never costs an
+  older good one.
 * **async** -- ``save(..., blocking=False)`` calls ``dcp.async_save`` on the manager's *own* gloo group:
   it needs a CPU-capable group, and its collectives (run in a background thread) must not interleave
   with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
@@ -58,14 +59,15 @@ def step_dir(root, step: int, partial: bool = False) -> Path:
     return Path(root) / (f"step_{step:08d}" + (PARTIAL if partial else ""))
 
 
-def verify(path) -> dict:
+def verify(path, *, crc: bool = True) -> dict:
     """Raise :class:`CheckpointCorrupt` unless the DCP checkpoint at ``path`` is complete and intact.
 
     Checks, naming the first bad file: ``.metadata`` present (else the save never finished); every file
     the metadata points into present and at least as long as the furthest byte it needs (else truncated);
     and, when ``COMMIT.json`` is there, every file's size and CRC-32 as recorded at commit (else the
-    bytes changed after the save). Returns the commit record (``{}`` for an uncommitted directory)."""
-    path = Path(path)
+    bytes changed after the save; skipped with ``crc=False``). Returns the commit record (``{}`` for an
+    uncommitted directory)."""
+    path, check_crc = Path(path), crc
     try:
         meta = read_metadata(path)
     except FileNotFoundError as e:
@@ -93,7 +95,7 @@ def verify(path) -> dict:
             raise CheckpointCorrupt(f"{f} is missing (it was there at commit)")
         if f.stat().st_size != size:
             raise CheckpointCorrupt(f"{f} has {f.stat().st_size:,} bytes, {size:,} at commit: truncated or rewritten")
-        if (got := crc32_file(f)) != crc:
+        if check_crc and (got := crc32_file(f)) != crc:
             raise CheckpointCorrupt(f"{f} is corrupted: CRC-32 {got:08x}, {crc:08x} at commit (same size, "
                                     "different bytes)")
     return record
@@ -202,12 +204,19 @@ class Checkpointer:
         self._barrier()
 
     def _prune(self) -> None:
+        """Keep the newest ``keep`` steps that verify; delete every other committed step. Verified by sizes
+        only (cheap: no re-reading of K checkpoints per save); :meth:`load` checks the CRCs."""
         if self.rank == 0:
-            steps = self.steps()
-            good = self.latest()
-            for s in steps[:-self.keep]:
-                if s != good:                              # never delete the newest good checkpoint
-                    shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
+            kept = []
+            for s in reversed(self.steps()):
+                if len(kept) < self.keep:
+                    try:
+                        verify(step_dir(self.root, s), crc=False)
+                        kept.append(s)
+                        continue
+                    except CheckpointCorrupt:
+                        pass
+                shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
         self._barrier()
 
     # -- load ---------------------------------------------------------------------------------------------
