@@ -109,6 +109,10 @@ SCRIPT = textwrap.dedent('''
         "psum_in_bwd": (ag, lambda g, d: jax.lax.psum(g, "fsdp")),      # full-size gradient, not a shard
         "untiled_gather": (lambda w, d: jax.lax.all_gather(w, "fsdp", axis=d), rs),   # stacks: (8, 8, 24)
         "gather_wrong_dim": (lambda w, d: ag(w, 1 - d), rs),
+        "identity_bwd": (ag, lambda g, d: g),                           # no collective at all
+        "scatter_wrong_dim": (ag, lambda g, d: jax.lax.psum_scatter(g, "fsdp", scatter_dimension=1 - d, tiled=True)),
+        "pmean_scatter": (ag, lambda g, d: jax.lax.psum_scatter(g, "fsdp", scatter_dimension=d, tiled=True)
+                          / jax.lax.axis_size("fsdp")),                 # a "mean" habit: ÷N twice here
         "local_slice_no_sum": (ag, lambda g, d: jax.lax.dynamic_slice_in_dim(
             g, jax.lax.axis_index("fsdp") * (g.shape[d] // 8), g.shape[d] // 8, axis=d)),
     }
@@ -138,10 +142,13 @@ def test_gather_pair_right_and_stub(gather_outcomes):
 
 
 @pytest.mark.parametrize("name, says", [
-    ("averaged_in_bwd", "averaged twice"),
-    ("psum_in_bwd", "JAX rejected it"),
-    ("untiled_gather", "JAX rejected it"),
-    ("gather_wrong_dim", "JAX rejected it"),
+    ("averaged_in_bwd", "the loss already carries the ÷N"),
+    ("pmean_scatter", "the loss already carries the ÷N"),
+    ("psum_in_bwd", "psum sums but does not scatter"),
+    ("identity_bwd", "a device keeps only its own block of the SUM"),
+    ("scatter_wrong_dim", "scattered along the wrong dimension"),
+    ("untiled_gather", "tiled=True concatenates"),
+    ("gather_wrong_dim", "gathered along the wrong dimension"),
     ("local_slice_no_sum", "sum over devices is missing"),
 ])
 def test_gather_pair_wrong_answers_fail(gather_outcomes, name, says):

@@ -6,7 +6,39 @@ import numpy as np
 from course_lib import checks
 from course_lib.strategies.fsdp_jax import AXIS, MIN_SIZE, gather_vjp
 
-__all__ = ["check_spec_rule", "check_gather_pair"]
+__all__ = ["HINTS", "check_spec_rule", "check_gather_pair"]
+
+#: Layered hints, general to specific (``checks.hint(name, level)``); the last level is near-code.
+HINTS = {
+    "fsdp_spec": [
+        "Decide from the shape alone: small arrays are not worth a collective; a large one is cut along one "
+        "dimension that the number of devices divides evenly (NamedSharding does not pad).",
+        "Below min_size elements (size >= min_size is large): replicate. Otherwise try dim 0 first (what "
+        "FSDP2's Shard(0) does); if n does not divide it, the largest other dimension n divides; if none "
+        "does, replicate.",
+        "if math.prod(shape) < min_size: return P(); for d in [0] + the other dims sorted by size, largest "
+        "first: if shape[d] % n == 0: return P(*[None] * d, 'fsdp'); return P()",
+    ],
+    "gather_pair": [
+        "Forward: every device holds one block of the weight and needs all of it. Backward: the transpose "
+        "of that — every device holds a gradient of the WHOLE weight (from its own rows of the batch) and "
+        "must end with its own block of the sum over devices.",
+        "One collective each, over the axis 'fsdp', along dimension `dim`, tiled (concatenate the blocks, "
+        "do not stack them). No ÷N in the backward: the loss each device returns is already its local "
+        "mean ÷ N, so the sum over devices is the global mean.",
+        "forward: jax.lax.all_gather(w_shard, 'fsdp', axis=dim, tiled=True); backward: "
+        "jax.lax.psum_scatter(g_full, 'fsdp', scatter_dimension=dim, tiled=True)",
+    ],
+}
+checks.register_hints(HINTS)
+
+TESTS = {
+    "fsdp_spec": "11 shapes: kernels, biases, a size exactly at min_size, dimensions 8 does not divide, 3-D, "
+                 "a scalar, and selective sharding with min_size=32768; the PartitionSpec each one gets",
+    "gather_pair": "under jax.shard_map on 8 devices: the forward's per-device shape and values (the full "
+                   "weight on every device), the backward's per-device shape (one shard), and the gradient "
+                   "shards against the single-device gradient of the same mean loss",
+}
 
 
 # -- exercise checks -----------------------------------------------------------------------------------
@@ -33,7 +65,7 @@ _SPEC_CASES = [  # (shape, n, min_size, expected tuple, what it tests)
 def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
     """Exercise check: ``fn(shape, n, min_size=...)`` returns the PartitionSpec :func:`fsdp_spec` gives."""
     from jax.sharding import PartitionSpec
-    with checks.check(name) as c:
+    with checks.check(name, tests=TESTS["fsdp_spec"]) as c:
         for shape, n, min_size, want, why in _SPEC_CASES:
             got = fn(shape, n, min_size=min_size)
             if not isinstance(got, PartitionSpec):
@@ -44,7 +76,52 @@ def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
     return bool(c.passed)
 
 
-def check_gather_pair(fwd, bwd, mesh, name: str = "FSDP gather pair") -> bool:
+def _per_device_shapes(fwd, bwd, mesh, w):
+    """The shapes one device gets from ``fwd`` (its shard -> ?) and ``bwd`` (a full-size cotangent -> ?)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    n = mesh.shape[AXIS]
+    f = jax.shard_map(lambda ws: fwd(ws, 0)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    b = jax.shard_map(lambda g: bwd(g[0], 0)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    fs = jax.eval_shape(f, jax.ShapeDtypeStruct(w.shape, w.dtype)).shape[1:]
+    bs = jax.eval_shape(b, jax.ShapeDtypeStruct((n, *w.shape), w.dtype)).shape[1:]
+    return tuple(fs), tuple(bs)
+
+
+def _shape_mistake(fs, bs, full, shard, n) -> str | None:
+    if fs != full:
+        if fs == (n, *shard):
+            why = "the blocks were stacked on a new axis: tiled=True concatenates them along `dim`"
+        elif sorted(fs) != sorted(full) and len(fs) == len(full) and fs[0] == shard[0]:
+            why = "gathered along the wrong dimension: the weight is cut along `dim`, gather along `dim`"
+        else:
+            why = "one all-gather over 'fsdp' along `dim`, tiled"
+        return (f"forward: one device got shape {fs} from its shard {shard}; the full weight is {full}\n"
+                f"   likely mistake: {why}")
+    if bs != shard:
+        if bs == full:
+            why = ("it returns the full gradient's shape: a device keeps only its own block of the SUM; "
+                   "psum sums but does not scatter, use the collective that sums AND keeps one block")
+        elif len(bs) == len(shard) and bs[0] == full[0]:
+            why = "scattered along the wrong dimension: scatter along `dim`, the one the weight is cut on"
+        else:
+            why = "the backward's output must have the shard's shape (the transpose of the forward)"
+        return (f"backward: one device turned a full-size gradient {full} into shape {bs}; its shard is {shard}\n"
+                f"   likely mistake: {why}")
+    return None
+
+
+def _divided_in_backward(n: int):
+    def detect(got, exp):
+        if np.any(exp != 0) and np.allclose(got, exp / n, rtol=1e-4, atol=1e-7):
+            return (f"got is the gradient ÷{n}: your backward divides by N, but here the loss already carries "
+                    "the ÷N (each device returns its local mean ÷ N, so the SUM over devices is the global mean). "
+                    "Lab 03's torch Unshard divided in the backward because its loss was not divided; doing "
+                    "both divides twice")
+    return detect
+
+
+def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
     """Exercise check: ``gather_vjp(fwd, bwd)`` under shard_map gives every device the full weight, and
     the gradient shards of the global mean loss (what one device computes with the whole batch)."""
     import jax
@@ -60,7 +137,17 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "FSDP gather pair") -> bool:
     def no_sum(got, exp):
         if np.allclose(got, local, rtol=1e-4, atol=1e-7):
             return "got is each device's slice of its OWN gradient: the sum over devices is missing (psum_scatter)"
-    with checks.check(name) as c:
+    with checks.check(name, tests=TESTS["gather_pair"]) as c:
+        try:
+            fs, bs = _per_device_shapes(fwd, bwd, mesh, w)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an axis or argument mistake: JAX's own words, then ours
+            raise AssertionError(f"JAX rejected it: {type(e).__name__}: {str(e).splitlines()[0][:300]}\n   likely "
+                                 "mistake: collectives over the mesh axis 'fsdp', along dimension `dim`") from None
+        wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n)
+        if wrong:
+            raise AssertionError(wrong)
         gather = gather_vjp(fwd, bwd)
 
         def per_device(ws, xs):
@@ -78,6 +165,8 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "FSDP gather pair") -> bool:
         checks.assert_close("forward: the gathered weight on every device", np.asarray(fulls),
                             np.broadcast_to(w, (n, *w.shape)), rtol=0, atol=0, hint=checks.wrong_shard_offset(n, 1))
         checks.assert_close("backward: the gradient shards", np.asarray(grad), ref, rtol=1e-5, atol=1e-7,
-                            hint=[checks.averaged_twice(n), no_sum, checks.wrong_shard_offset(n)])
-        c.ok(f"all {n} devices see the full weight; gradient shards equal the single-device gradient")
+                            hint=[_divided_in_backward(n), no_sum, checks.summed_not_averaged(n),
+                                  checks.wrong_shard_offset(n)])
+        c.ok(f"all {n} devices see the full weight; gradient shards (one per device, shape (8, 24)) equal the "
+             "single-device gradient")
     return bool(c.passed)
