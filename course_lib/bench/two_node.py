@@ -41,7 +41,7 @@ from pathlib import Path
 from course_lib.maths.costs import AlphaBeta, fit_alpha_beta, wire_bytes
 from course_lib.runtime import netns
 
-__all__ = ["run_torch", "run_jax", "fit_links", "link_load", "predict", "format_report", "main"]
+__all__ = ["run_torch", "run_jax", "fit_links", "link_load", "predict", "format_report", "link_ledger", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 NPROC = 2   # workers per node: 2 nodes x 2 ranks
@@ -166,6 +166,20 @@ def predict(result: dict, links: dict[str, AlphaBeta] | None = None, factors: di
                      "predicted_link": link, "measured_link": sum(run["tx_by_rank"]) / steps,
                      "measured_intra": sum(run.get("lo_by_rank", [0])) / steps}
     return out
+
+
+def link_ledger(result: dict, kind: str):
+    """One step of ``kind`` on rank 0 as a :class:`~course_lib.comm.ledger.Ledger` whose ``axis`` says the mesh
+    axis *and* the link class (``"replicate, inter-node"``), so the traffic widget groups by both."""
+    from course_lib.comm.ledger import CollectiveRecord, Ledger
+    world, nodes = result["world_size"], result["nodes"]
+    node_of = [r // (world // nodes) for r in range(world)]
+    out = []
+    for op, nbytes, size, ranks, axis in result["runs"][kind]["ops"]:
+        link = "intra-node" if len({node_of[r] for r in ranks or range(world)}) == 1 else "inter-node"
+        out.append(CollectiveRecord(op=op, nbytes=nbytes, dtype="float32", group_size=size, rank=0,
+                                    group_ranks=tuple(ranks), axis=f"{axis or 'world'}, {link}", step=0))
+    return Ledger(out)
 
 
 def format_report(result: dict, pred: dict | None = None) -> str:

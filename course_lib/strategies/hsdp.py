@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MESH_DIMS", "HSDPConfig", "hsdp_mesh", "shard_gpt_hsdp", "build_gpt", "shard_groups", "replica_groups",
+__all__ = ["MESH_DIMS", "HSDPConfig", "hsdp_mesh", "shard_gpt_hsdp", "shard_hsdp", "build_gpt", "shard_groups", "replica_groups",
            "axis_of", "label_axes", "unit_shapes", "placements_of", "accumulate_step",
            "formula_by_axis", "ledger_by_axis"]
 
@@ -101,6 +101,14 @@ def shard_gpt_hsdp(model, mesh, **kwargs):
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model
+
+
+def shard_hsdp(model, replicate: int, shard: int, device_type: str = "cpu"):
+    """On a rank: build the (replicate, shard) mesh and apply :func:`shard_gpt_hsdp`; returns the mesh (the
+    reference answer of Lab 06's first exercise)."""
+    mesh = hsdp_mesh(replicate, shard, device_type)
+    shard_gpt_hsdp(model, mesh)
+    return mesh
 
 
 def build_gpt(cfg, mesh, *, device="cpu", dtype=None, seed: int = 0, shard=None):
