@@ -222,9 +222,15 @@ def test_restore_target_wrong_answers_are_named(devices, wrong, says):
     assert says in str(err.value)
 
 
-def test_hints_are_layered():
+def test_hints_are_layered(capsys):
+    from course_lib import checks
     for name, levels in lab07.HINTS.items():
         assert len(levels) == 3, name
-        assert lab07.hint(name, 1) == levels[0]
-    with pytest.raises(KeyError):
-        lab07.hint("nope")
+        assert levels[0] in checks.hint(name, 1)
+        assert name in lab07.TESTS
+    assert "hint 1 of 3" in capsys.readouterr().out
+
+
+def test_stub_says_what_the_check_tests(capsys):
+    lab07.check_app_state(Stub)
+    assert "The check will test: on 2 gloo ranks with dropout" in capsys.readouterr().out

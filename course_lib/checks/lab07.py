@@ -11,12 +11,12 @@ import tempfile
 from course_lib import checks
 from course_lib.models import GPTConfig
 
-__all__ = ["CKPT_CONFIG", "HINTS", "check_app_state", "check_load_resharded", "check_restore_target"]
+__all__ = ["CKPT_CONFIG", "HINTS", "TESTS", "check_app_state", "check_load_resharded", "check_restore_target"]
 
 #: The lab's GPT: the labs' awkward sizes, plus dropout so that the RNG state matters to a resume.
 CKPT_CONFIG = GPTConfig(seq_len=31, d_ff=199, dropout=0.1)
 
-#: Layered hints, idea first, code last (``HINTS[name][level - 1]``).
+#: Layered hints, general to specific (``checks.hint(name, level)``); the last level is near-code.
 HINTS = {
     "AppState": [
         "A resume is exact only if every piece of state that the next step reads comes back: the weights, "
@@ -48,13 +48,21 @@ HINTS = {
 }
 
 
-def hint(name: str, level: int = 1) -> str:
-    """The ``level``-th hint (1: the idea, 2: more specific, 3: near-code) for exercise ``name``."""
-    if name not in HINTS:
-        raise KeyError(f"no hints for {name!r}; exercises: {sorted(HINTS)}")
-    if not 1 <= level <= len(HINTS[name]):
-        raise ValueError(f"level={level} must be 1..{len(HINTS[name])}")
-    return HINTS[name][level - 1]
+checks.register_hints(HINTS)
+
+#: What each check verifies, said in its ⏳ line.
+TESTS = {
+    "AppState": "on 2 gloo ranks with dropout: 3 steps, dcp.save with your class, then everything rebuilt "
+                "(other weights, empty optimizer, step 0, another seed) and dcp.load with your class; the "
+                "weights, Adam's state, the LR schedule, the data position and each rank's RNG must come back "
+                "bit for bit, and the next 2 losses equal never stopping",
+    "load_resharded": "a {'model', 'optim'} checkpoint saved by FSDP2 + AdamW at 4 ranks, loaded with your "
+                      "function into a fresh model and optimizer at 2 ranks: every weight and Adam tensor "
+                      "bit-identical to what was saved",
+    "restore_target": "a small state saved on 8 devices, restored with your targets onto 4 and onto 1: abstract "
+                      "arrays, same shapes and dtypes, NamedShardings on the new mesh with the FSDP rule's "
+                      "specs, values bit-identical",
+}
 
 
 # -- exercise 1: the app state ------------------------------------------------------------------------
@@ -94,7 +102,7 @@ def _app_state_on_rank(cls, cfg, root, before: int = 3, after: int = 2):
 def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
     """``cls(model, optimizer, scheduler, data)`` is a DCP Stateful after which a resume is bit-exact."""
     from course_lib.launch import run
-    with checks.check(name) as c, tempfile.TemporaryDirectory() as root:
+    with checks.check(name, tests=TESTS["AppState"]) as c, tempfile.TemporaryDirectory() as root:
         out = run(_app_state_on_rank, cls, CKPT_CONFIG, root, world_size=world_size)
         for r, o in enumerate(out):
             if not o["model"]:
@@ -159,7 +167,7 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
     import torch
     from course_lib.launch import run
     cfg = GPTConfig(seq_len=31, d_ff=199)
-    with checks.check(name) as c, tempfile.TemporaryDirectory() as path:
+    with checks.check(name, tests=TESTS["load_resharded"]) as c, tempfile.TemporaryDirectory() as path:
         saved = run(_save_on_rank, cfg, path, world_size=save_world_size)[0]
         out = run(_load_on_rank, fn, cfg, path, world_size=load_world_size)
         for r, o in enumerate(out):
@@ -215,47 +223,56 @@ def check_restore_target(fn, devices, name: str = "restore_target") -> bool:
             "b": rng.standard_normal((48,)).astype(np.float32), "count": np.int32(5)}
     big = mesh_of(8)
     state = {k: jax.device_put(v, NamedSharding(big, fsdp_spec(v.shape, 8))) for k, v in host.items()}
-    with checks.check(name) as c, tempfile.TemporaryDirectory() as d:
+    with checks.check(name, tests=TESTS["restore_target"]) as c, tempfile.TemporaryDirectory() as d:
         mngr = cj.manager(d)
         cj.save(mngr, 1, state)
         mngr.wait_until_finished()
-        for n in (4, 1):
-            mesh = mesh_of(n)
-            target = fn(state, mesh)
-            if not isinstance(target, dict) or set(target) != set(state):
-                raise AssertionError(f"returned {type(target).__name__} with keys "
-                                     f"{sorted(target) if isinstance(target, dict) else '?'}; return the same "
-                                     f"pytree as the state: {sorted(state)}")
-            for k, x in host.items():
-                t = target[k]
-                if isinstance(t, jax.Array):
-                    raise AssertionError(f"target[{k!r}] is a jax.Array → a concrete target allocates the whole "
-                                         "state once more before reading it; give abstract arrays "
-                                         "(jax.ShapeDtypeStruct)")
-                if not isinstance(t, jax.ShapeDtypeStruct):
-                    raise AssertionError(f"target[{k!r}] is a {type(t).__name__}; give a jax.ShapeDtypeStruct")
-                if tuple(t.shape) != x.shape or t.dtype != x.dtype:
-                    raise AssertionError(f"target[{k!r}] is {t.dtype}{list(t.shape)}, saved {x.dtype}{list(x.shape)} "
-                                         "→ Orbax would cast or fail; keep each array's shape and dtype")
-                if t.sharding is None:
-                    raise AssertionError(f"target[{k!r}] has no sharding → Orbax puts it back on the mesh it was "
-                                         "saved from (8 devices), not on yours. nnx.eval_shape drops shardings "
-                                         "(flax#5110): add sharding=NamedSharding(mesh, spec)")
-                if getattr(t.sharding, "mesh", None) is not None and t.sharding.mesh.size != n:
-                    raise AssertionError(f"target[{k!r}] is sharded over {t.sharding.mesh.size} devices, the target "
-                                         f"mesh has {n} → that is the saved array's own sharding; build a "
-                                         "NamedSharding on the new mesh")
-                want = _norm(fsdp_spec(x.shape, n))
-                if _norm(t.sharding.spec) != want:
-                    kind = "replicated" if not _norm(t.sharding.spec) else f"{t.sharding.spec}"
-                    raise AssertionError(f"target[{k!r}] {x.shape} is {kind} on {n} devices, the FSDP rule gives "
-                                         f"P{want} → each device would hold "
-                                         + ("the whole array (N× the memory)" if not _norm(t.sharding.spec)
-                                            else "another cut") + "; use fsdp_spec(shape, mesh.size)")
-            restored, _ = cj.restore(mngr, 1, target)
-            bad = cj.same_arrays(restored, host)
-            if bad:
-                raise AssertionError(f"restored onto {n} devices, {bad} differ from the saved values")
-        mngr.close()
+        try:
+            _restore_onto(fn, mngr, state, host, mesh_of)
+        finally:
+            mngr.close()
         c.ok("restored from 8 devices onto 4 and 1, every array where the FSDP rule puts it, bit-identical")
     return bool(c.passed)
+
+
+def _restore_onto(fn, mngr, state, host, mesh_of):
+    import jax
+    from course_lib.strategies import checkpoint_jax as cj
+    from course_lib.strategies.fsdp_jax import fsdp_spec
+    for n in (4, 1):
+        mesh = mesh_of(n)
+        target = fn(state, mesh)
+        if not isinstance(target, dict) or set(target) != set(state):
+            raise AssertionError(f"returned {type(target).__name__} with keys "
+                                 f"{sorted(target) if isinstance(target, dict) else '?'}; return the same "
+                                 f"pytree as the state: {sorted(state)}")
+        for k, x in host.items():
+            t = target[k]
+            if isinstance(t, jax.Array):
+                raise AssertionError(f"target[{k!r}] is a jax.Array → a concrete target allocates the whole "
+                                     "state once more before reading it; give abstract arrays "
+                                     "(jax.ShapeDtypeStruct)")
+            if not isinstance(t, jax.ShapeDtypeStruct):
+                raise AssertionError(f"target[{k!r}] is a {type(t).__name__}; give a jax.ShapeDtypeStruct")
+            if tuple(t.shape) != x.shape or t.dtype != x.dtype:
+                raise AssertionError(f"target[{k!r}] is {t.dtype}{list(t.shape)}, saved {x.dtype}{list(x.shape)} "
+                                     "→ Orbax would cast or fail; keep each array's shape and dtype")
+            if t.sharding is None:
+                raise AssertionError(f"target[{k!r}] has no sharding → Orbax puts it back on the mesh it was "
+                                     "saved from (8 devices), not on yours. nnx.eval_shape drops shardings "
+                                     "(flax#5110): add sharding=NamedSharding(mesh, spec)")
+            if getattr(t.sharding, "mesh", None) is not None and t.sharding.mesh.size != n:
+                raise AssertionError(f"target[{k!r}] is sharded over {t.sharding.mesh.size} devices, the target "
+                                     f"mesh has {n} → that is the saved array's own sharding; build a "
+                                     "NamedSharding on the new mesh")
+            want = _norm(fsdp_spec(x.shape, n))
+            if _norm(t.sharding.spec) != want:
+                kind = "replicated" if not _norm(t.sharding.spec) else f"{t.sharding.spec}"
+                raise AssertionError(f"target[{k!r}] {x.shape} is {kind} on {n} devices, the FSDP rule gives "
+                                     f"P{want} → each device would hold "
+                                     + ("the whole array (N× the memory)" if not _norm(t.sharding.spec)
+                                        else "another cut") + "; use fsdp_spec(shape, mesh.size)")
+        restored, _ = cj.restore(mngr, 1, target)
+        bad = cj.same_arrays(restored, host)
+        if bad:
+            raise AssertionError(f"restored onto {n} devices, {bad} differ from the saved values")
