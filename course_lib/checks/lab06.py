@@ -249,7 +249,8 @@ def check_choose_f(fn, name: str = "choose_f") -> bool:
 # -- exercise 4: FSDP × TP partition specs ------------------------------------------------------------------
 def tp_spec_mistake(spec, shape, fsdp: int, tensor: int) -> str | None:
     """What is wrong with ``spec`` for a big 2-D ``shape`` on an (F, T) mesh; None for ``P('fsdp', 'tensor')``."""
-    if type(spec).__name__ != "PartitionSpec":
+    from jax.sharding import PartitionSpec
+    if not isinstance(spec, PartitionSpec):
         return f"returned {type(spec).__name__} {spec!r}, not a PartitionSpec"
     entries = [e if isinstance(e, tuple) else (e,) for e in tuple(spec)] + [(None,)] * 2
     flat = [a for e in entries for a in e if a is not None]
