@@ -37,21 +37,24 @@ class ResumableBatches:
     def load_state_dict(self, sd: dict) -> None:
         bad = {k: (sd[k], v) for k, v in (("seed", self.task.seed), ("batch_size", self.batch_size)) if sd[k] != v}
         if bad:
-            from course_lib.strategies.checkpoint import CheckpointMismatch
-            raise CheckpointMismatch("data stream differs from the checkpoint's: " + ", ".join(
+            raise ValueError("data stream differs from the checkpoint's: " + ", ".join(
                 f"{k} saved {s} vs now {n}" for k, (s, n) in bad.items()) + "; resume with the same task and batch")
         self.step = int(sd["step"])
 
 
 def resumable_run(cfg, *, mesh=None, seed: int = 0, lr: float = 3e-3, warmup: int = 8, batch_size: int = 8,
-                  data_seed: int = 0, device="cpu"):
+                  data_seed: int = 0, device=None):
     """On a rank (or in one process): ``(model, optimizer, scheduler, data)`` of a run an :class:`AppState`
     can checkpoint -- the course GPT (``init_weights(cfg, seed)``; FSDP2 over ``mesh``, default: all ranks,
-    when a process group is up), AdamW, a linear warm-up over ``warmup`` steps, :class:`ResumableBatches`."""
+    when a process group is up), AdamW, a linear warm-up over ``warmup`` steps, :class:`ResumableBatches`.
+    ``device``: default this rank's (``rank_info().device``: a GPU under NCCL), else CPU."""
     import torch
     import torch.distributed as dist
     from course_lib.models import TokenTask, TorchGPT, torch_init_
     from course_lib.strategies.fsdp2 import shard_gpt
+    if device is None:
+        from course_lib.launch import rank_info
+        device = rank_info().device if dist.is_initialized() else "cpu"
     with torch.device("meta"):
         model = TorchGPT(cfg)
     if dist.is_initialized():
