@@ -22,7 +22,7 @@ from course_lib.maths import costs
 from course_lib.maths.sharding import flat_layout, padded_size
 from course_lib.models import LAB_CONFIG
 
-__all__ = ["HINTS", "check_flat_shard", "check_unshard_function", "check_fsdp_class", "check_prefetch"]
+__all__ = ["HINTS", "MEASURED", "check_flat_shard", "check_unshard_function", "check_fsdp_class", "check_prefetch"]
 
 #: Layered hints, general to specific (``checks.hint(name, level)``); the last level is near-code.
 HINTS = {
@@ -69,6 +69,9 @@ HINTS = {
     ],
 }
 checks.register_hints(HINTS)
+
+#: What the last passing checks measured, for the lab's prediction cells (e.g. "Unshard wire bytes").
+MEASURED: dict[str, float] = {}
 
 TESTS = {
     "flat_shard": "six layouts (17×257 + 257 over 3 and 4 ranks, 15 elements over 16 ranks, a float64 "
@@ -260,6 +263,7 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
                                  f"came back {out64[0].get('grad_dtype')}\n   likely mistake: a buffer allocated "
                                  "without dtype= (torch.empty(k) is float32): allocate like the input, "
                                  "dtype=sharded.dtype, device=sharded.device (the lab's parity check runs in float64)")
+        MEASURED["Unshard wire bytes"] = wire
         c.ok(f"gathers {padded:,} elements (2 of padding), gradient shard = mean over {n} ranks, in float32 and "
              f"float64; ledger: all_gather + reduce_scatter, {wire:,.0f} wire bytes on rank 0")
     return bool(c.passed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from course_lib import checks
 from course_lib.models import LAB_CONFIG, GPTConfig
 
-__all__ = ["HINTS", "check_shard_model", "check_prefetch_plan"]
+__all__ = ["HINTS", "MEASURED", "check_shard_model", "check_prefetch_plan"]
 
 #: Layered hints, general to specific (``checks.hint(name, level)``); the last level is near-code.
 HINTS = {
@@ -31,6 +31,9 @@ HINTS = {
     ],
 }
 checks.register_hints(HINTS)
+
+#: What the last passing checks measured, for the lab's prediction cells.
+MEASURED: dict[str, float] = {}
 
 TESTS = {
     "shard_model": "on 4 gloo ranks, one training step of the lab's GPT: every block and the root are FSDP "
@@ -113,6 +116,7 @@ def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> boo
                    "default" if bwd == 0 else "one all-gather per unit in forward, the blocks again in backward")
             raise AssertionError(f"rank 0 issued {fwd} all-gathers in forward, {bwd} in backward, {rs} "
                                  f"reduce-scatters; expected {k}, {k - 1}, {k}\n   likely mistake: {why}")
+        MEASURED.update({"forward all-gathers": fwd, "backward all-gathers": bwd})
         c.ok(f"{k} units (root + {k - 1} blocks), every parameter a DTensor {o['placements'][0]}; one step: "
              f"{fwd} all-gathers in forward, {bwd} in backward, {rs} reduce-scatters")
     return bool(c.passed)
