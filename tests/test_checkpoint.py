@@ -119,6 +119,22 @@ def test_resume_after_a_killed_rank_is_bit_exact(tmp_path):
         assert _same(other[0][1], straight[0][1]) != [], piece
 
 
+def _resume_wider(root, rng):
+    model, opt, sched, data = ck.resumable_run(cfg, seed=1)
+    try:
+        return cm.Checkpointer(root).load({"app": ck.AppState(model, opt, sched, data, rng=rng)})
+    except ck.CheckpointMismatch as e:
+        return str(e)
+
+
+def test_resume_at_more_ranks_fails_on_every_rank_or_loads_without_rng(tmp_path):
+    course_lib.run(_train, str(tmp_path), 2, save_at=2, world_size=2)
+    said = course_lib.run(_resume_wider, str(tmp_path), True, world_size=4, timeout=30)
+    assert all(s.startswith("on rank(s) [2, 3]: ") and "missing from the checkpoint: ['app.rng.rank2']" in s
+               and "rng=False" in s for s in said)                     # all four ranks raise: none waits in dcp.load
+    assert list(course_lib.run(_resume_wider, str(tmp_path), False, world_size=4)) == [2] * 4
+
+
 # -- faults -------------------------------------------------------------------------------------------
 def _die_mid_save(root):
     import torch.distributed as dist

@@ -178,8 +178,12 @@ def check_compatible(state: dict, path, *, strict: bool = True) -> None:
                                                                    else "")] if missing else []
         parts += [f"in the checkpoint but not in this model: {extra[:8]}" + (
             f" and {len(extra) - 8} more" if len(extra) > 8 else "")] if extra else []
+        rng_only = not shapes and not extra and all("rng." in k for k in missing)
+        fix = ("the RNG state is per rank and this world size has ranks the checkpoint never had: load "
+               "without it (AppState(..., rng=False)) and seed the new ranks" if rng_only else
+               "build the model from the config it was saved with")
         raise CheckpointMismatch(f"checkpoint {path} does not fit the state being loaded: " + " | ".join(parts)
-                                 + ". Build the model from the config it was saved with")
+                                 + f". Fix: {fix}")
 
 
 def consolidate(dcp_dir, out_file) -> dict[str, int]:

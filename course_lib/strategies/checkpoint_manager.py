@@ -177,13 +177,10 @@ class Checkpointer:
         return step
 
     def _commit(self, step: int) -> None:
-        import torch.distributed as dist
         tmp = step_dir(self.root, step, partial=True)
         mine = {f.name: [f.stat().st_size, crc32_file(f)] for f in tmp.iterdir()
                 if f.name.startswith(f"__{self.rank}_")}  # each rank checksums the file it wrote
-        every = [None] * dist.get_world_size(self.group) if self.distributed else [mine]
-        if self.distributed:
-            dist.all_gather_object(every, mine, group=self.group)
+        every = self._gather(mine)
         if self.rank == 0:
             files = {k: v for d in every for k, v in d.items()}
             files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
@@ -222,23 +219,60 @@ class Checkpointer:
     # -- load ---------------------------------------------------------------------------------------------
     def load(self, state: dict, step: int | None = None, *, strict: bool = True) -> int:
         """Verify step ``step`` (default: :meth:`latest`), check it fits ``state``, load in place.
-        Returns the step. Raises :class:`CheckpointCorrupt` / :class:`CheckpointMismatch` naming what."""
+        Returns the step. Raises :class:`CheckpointCorrupt` / :class:`CheckpointMismatch` naming what.
+
+        Collective and all-or-nothing: rank 0 chooses and verifies the step, every rank checks its own
+        template, and if any rank's does not fit, every rank raises (a rank that went on into ``dcp.load``
+        alone would wait there for the others forever)."""
         import torch.distributed.checkpoint as dcp
-        if step is None:
-            step = self.latest()
-            if step is None:
-                raise FileNotFoundError(f"no committed, intact checkpoint under {self.root} "
-                                        f"(steps {self.steps()}, incomplete {[p.name for p in self.incomplete()]})")
-        path = step_dir(self.root, step)
-        verify(path)
-        check_compatible(state, path, strict=strict)
+        chosen, err = step, None
+        if self.rank == 0:
+            try:
+                if chosen is None:
+                    chosen = self.latest()
+                    if chosen is None:
+                        raise FileNotFoundError(f"no committed, intact checkpoint under {self.root} (steps "
+                                                f"{self.steps()}, incomplete {[p.name for p in self.incomplete()]})")
+                verify(step_dir(self.root, chosen))
+            except (FileNotFoundError, CheckpointCorrupt) as e:
+                err = e
+        chosen, err = self._from_rank0((chosen, err))
+        if err is not None:
+            raise err
+        path = step_dir(self.root, chosen)
+        try:
+            check_compatible(state, path, strict=strict)
+            mine = None
+        except CheckpointMismatch as e:
+            mine = str(e)
+        bad = {r: e for r, e in enumerate(self._gather(mine)) if e}
+        if bad:
+            first = min(bad)
+            where = f"on rank(s) {sorted(bad)}: " if self.distributed else ""
+            raise CheckpointMismatch(where + bad[first])
         with quiet_single_process():
             dcp.load(state, checkpoint_id=os.fspath(path), process_group=self.group, no_dist=not self.distributed)
-        return step
+        return chosen
 
     def load_latest(self, state: dict, *, strict: bool = True) -> int | None:
         """:meth:`load` the newest good step and return it; None (state untouched) when there is none."""
         return None if self.latest() is None else self.load(state, strict=strict)
+
+    def _gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _from_rank0(self, obj):
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
 
     def _barrier(self) -> None:
         if self.distributed:
