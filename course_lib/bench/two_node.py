@@ -1,6 +1,6 @@
 """A real two-node job on one machine: FSDP vs HSDP across a (throttled) network link, measured and predicted.
 
-    python -m course_lib bench two_node [--rate 100] [--steps 3] [--jax]
+    python -m course_lib bench two-node [--rate 100] [--steps 3] [--jax]
 
 Two network namespaces joined by a veth pair (:class:`course_lib.runtime.netns.TwoNodes`) are the two
 "nodes". The job starts the way a real two-node job does: **torchrun, two agents, c10d rendezvous**, one
@@ -196,11 +196,15 @@ def format_report(result: dict, pred: dict | None = None) -> str:
         lines.append(f"{kind:<6}{p['measured_s'] * 1e3:>9.1f}{p['predicted_s'] * 1e3:>10.1f}"
                      f"{p['measured_link']:>13,.0f}{p['predicted_link']:>11,.0f}"
                      f"{p['measured_link'] / max(p['predicted_link'], 1):>7.2f}")
+    if {"fsdp", "hsdp"} <= set(pred):
+        f, h = pred["fsdp"], pred["hsdp"]
+        lines.append(f"FSDP - HSDP per step: measured {(f['measured_s'] - h['measured_s']) * 1e3:.1f} ms, "
+                     f"model {(f['predicted_s'] - h['predicted_s']) * 1e3:.1f} ms")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m course_lib bench two_node", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m course_lib bench two-node", description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=100, help="Mbit/s on the inter-node link; 0: unthrottled")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--jax", action="store_true", help="the JAX variant (jax.distributed, 2 CPU devices per node)")
