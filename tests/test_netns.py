@@ -87,6 +87,7 @@ def test_interpreter_exit_cleans_up():
     assert not (names & _listed())
 
 
+@pytest.mark.slow
 def test_torchrun_two_agents_fsdp_vs_hsdp():
     from course_lib.bench import two_node
     res = two_node.run_torch(100, steps=2, timeout_s=150)
@@ -102,6 +103,7 @@ def test_torchrun_two_agents_fsdp_vs_hsdp():
     assert axes == {("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")}
 
 
+@pytest.mark.slow
 def test_jax_two_processes_fsdp_vs_hsdp():
     from course_lib.bench import two_node
     res = two_node.run_jax(None, steps=2, timeout_s=150)
