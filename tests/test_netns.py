@@ -78,6 +78,17 @@ def test_two_at_once_do_not_collide_and_exceptions_clean_up():
     assert not (names & _listed())
 
 
+def test_stale_namespaces_of_dead_processes_are_reaped():
+    pid = 5_000_000 + os.getpid() % 100_000          # above Linux's largest pid_max (2**22): no such process
+    name = f"{netns.PREFIX}{pid}a0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in netns.reap_stale()
+        assert name not in _listed()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def test_interpreter_exit_cleans_up():
     code = ("from course_lib.runtime import netns\nnet = netns.TwoNodes().__enter__()\n"
             "print(' '.join(n.netns for n in net.nodes), flush=True)\n")   # no __exit__: atexit must do it

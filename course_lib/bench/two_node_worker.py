@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.jax:
         return jax_main(a)
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("two_node_worker runs under torchrun, one worker per rank: start it with "
+                         "`python -m course_lib bench two-node` (see course_lib.bench.two_node)")
     import torch
     import torch.distributed as dist
     from course_lib.comm import torch_ledger as lt

@@ -13,7 +13,8 @@ the /30 subnet is private (``10.64.0.0/10``) and exists *only inside the two nam
 have no route anywhere else, so traffic can only reach addresses this code created; both veth ends are created
 directly inside the namespaces (never in the host's); and :class:`TwoNodes` always deletes what it made --
 on normal exit, on an exception, on ``KeyboardInterrupt`` (a context manager) and at interpreter exit
-(``atexit``), killing first the processes it started there.
+(``atexit``), killing first the processes it started there; what a SIGKILLed process left behind is reaped
+by the next :class:`TwoNodes` (:func:`reap_stale`: names carry the pid, so only dead creators' namespaces).
 
 Needs Linux, root or ``CAP_NET_ADMIN``, and ``ip``/``tc`` (Debian package ``iproute2``): :func:`available`
 says which is missing. Nothing here imports torch or JAX.
@@ -31,7 +32,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["available", "Node", "TwoNodes", "ours", "PREFIX"]
+__all__ = ["available", "Node", "TwoNodes", "ours", "reap_stale", "PREFIX"]
 
 PREFIX = "fsdpc"                 #: every namespace this module creates starts with this (then the pid)
 _POOL = ipaddress.ip_network("10.64.0.0/10")   # private; a /30 from here lives only inside our namespaces
@@ -68,10 +69,27 @@ def available() -> tuple[bool, str]:
 
 
 def ours(all_processes: bool = False) -> list[str]:
-    """Namespaces of this module still present: this process's (default) or any process's."""
+    """Namespaces of this module still present: this process's (default) or any process's ([] without ``ip``)."""
+    if shutil.which("ip") is None:
+        return []
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     mine = f"{PREFIX}{os.getpid()}" if not all_processes else PREFIX
     return [n for n in out if n.startswith(mine) and (all_processes or n[len(mine):len(mine) + 1] in "abp")]
+
+
+def reap_stale() -> list[str]:
+    """Delete namespaces of this module whose creating process is gone (a kernel killed with SIGKILL skips
+    every clean-up). Names carry the creator's pid, so only those of dead processes are touched. Returns them."""
+    import re
+    gone = []
+    if shutil.which("ip") is None:
+        return gone
+    for name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+        m = re.fullmatch(rf"{PREFIX}(\d+)[abp]\d+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            gone.append(name)
+    return gone
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,7 @@ class TwoNodes:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"cannot build two network namespaces here: {why}")
+        reap_stale()
         _LIVE[id(self)] = self
         self._up = True
         try:
