@@ -23,25 +23,29 @@ def _ab(comm, o):
     return comm.alpha_beta(o.op, o.group_size)
 
 
+def _fw(cost, gamma):
+    return gamma * sum(o.count for o in cost.ops if o.op in ("all_gather", "reduce_scatter"))
+
+
 def no_alpha(strategy, cost, flops, compute, comm, gamma):
-    fw = 0 if strategy == "dp" else gamma * sum(o.count for o in cost.ops)
+    fw = _fw(cost, gamma)
     return compute.seconds(flops) + fw + sum(_ab(comm, o).beta_s_per_byte * o.wire_bytes for o in cost.ops)
 
 
 def alpha_once(strategy, cost, flops, compute, comm, gamma):
-    fw = 0 if strategy == "dp" else gamma * sum(o.count for o in cost.ops)
+    fw = _fw(cost, gamma)
     return compute.seconds(flops) + fw + sum(_ab(comm, o).alpha_s + _ab(comm, o).beta_s_per_byte * o.wire_bytes
                                              for o in cost.ops)
 
 
 def payload_bytes(strategy, cost, flops, compute, comm, gamma):
-    fw = 0 if strategy == "dp" else gamma * sum(o.count for o in cost.ops)
+    fw = _fw(cost, gamma)
     return compute.seconds(flops) + fw + sum(o.count * _ab(comm, o).alpha_s + _ab(comm, o).beta_s_per_byte
                                              * o.payload_bytes for o in cost.ops)
 
 
 def one_fit(strategy, cost, flops, compute, comm, gamma):
-    fw = 0 if strategy == "dp" else gamma * sum(o.count for o in cost.ops)
+    fw = _fw(cost, gamma)
     ar = lambda g: comm.alpha_beta("all_reduce", g)  # noqa: E731
     return compute.seconds(flops) + fw + sum(o.count * ar(o.group_size).alpha_s
                                              + ar(o.group_size).beta_s_per_byte * o.wire_bytes for o in cost.ops)
@@ -53,6 +57,10 @@ def no_compute(strategy, cost, flops, compute, comm, gamma):
 
 def no_gamma(strategy, cost, flops, compute, comm, gamma):
     return compute.seconds(flops) + sum(comm.seconds(o) for o in cost.ops)
+
+
+def gamma_everywhere(strategy, cost, flops, compute, comm, gamma):
+    return compute.seconds(flops) + gamma * sum(o.count for o in cost.ops) + sum(comm.seconds(o) for o in cost.ops)
 
 
 def milliseconds(*args):
@@ -69,7 +77,7 @@ def test_step_seconds_right_and_stub(capsys):
 @pytest.mark.parametrize("wrong, says", [
     (no_alpha, "left out α"), (alpha_once, "α is per *call*"), (payload_bytes, "*wire* bytes"),
     (one_fit, "each op has its own α and β"), (no_compute, "left out compute"),
-    (no_gamma, "left out the framework term"), (milliseconds, "got"),
+    (no_gamma, "left out the framework term"), (gamma_everywhere, "charged γ on all-reduces"), (milliseconds, "got"),
 ])
 def test_step_seconds_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:

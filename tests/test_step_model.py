@@ -55,7 +55,7 @@ def test_fsdp_prediction_counts_calls_and_framework():
     assert [(o.op, o.phase, o.count) for o in p.cost.ops] == [("all_gather", "forward", 3),
                                                               ("all_gather", "backward", 2),
                                                               ("reduce_scatter", "backward", 3)]
-    assert p.collectives == 8 and p.framework_s == pytest.approx(0.016)
+    assert p.collectives == p.framework_calls == 8 and p.framework_s == pytest.approx(0.016)
     alpha = (3 + 2) * 1e-3 + 3 * 2e-3
     assert p.comm_s == pytest.approx(alpha + 1e-9 * p.cost.wire_bytes)
     hidden = predict("fsdp", TINY, 4, 8, COMPUTE, COMM, root_unit=0, overlap=1.0)
@@ -63,9 +63,10 @@ def test_fsdp_prediction_counts_calls_and_framework():
 
 
 def test_hsdp_uses_group_fits():
-    p = predict("hsdp", TINY, 4, 8, COMPUTE, COMM, replicate=2)
+    p = predict("hsdp", TINY, 4, 8, COMPUTE, COMM, replicate=2, per_collective_s=0.001)
     assert {o.group_size for o in p.cost.ops} == {2}
     assert "all_reduce (backward)" in p.comm_by_op
+    assert p.collectives == 12 and p.framework_calls == 9 and p.framework_s == pytest.approx(0.009)   # no γ on all-reduces
 
 
 def test_errors_name_the_fix():

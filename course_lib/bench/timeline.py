@@ -90,16 +90,40 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
         step()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        wall = (time.perf_counter() - t0) / steps
+    prof = profile(activities=acts)
+    with _quiet():                      # kineto prints a line at every start and stop, straight to the fds
+        prof.__enter__()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    with _quiet():
+        prof.__exit__(None, None, None)
     path = trace_path if (trace_path and r == 0) else os.path.join(tempfile.mkdtemp(), f"trace_rank{r}.json")
     prof.export_chrome_trace(path)
     stats = overlap_stats(classify(load_events(path), gpu=dev.type == "cuda"))
     return {"stats": stats.as_dict(), "step_s": wall}
+
+
+class _quiet:
+    """Silence the process's own stdout/stderr file descriptors (C++ prints bypass Python's sys.stdout)."""
+
+    def __enter__(self):
+        import os
+        import sys
+        sys.stdout.flush(), sys.stderr.flush()
+        self.saved = [os.dup(1), os.dup(2)]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1), os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        import os
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        return False
 
 
 # -- reading a trace -----------------------------------------------------------------------------------

@@ -18,13 +18,15 @@ __all__ = ["HINTS", "hint", "REFERENCE_CAL", "reference_step_seconds", "check_st
 
 HINTS = {
     "step_seconds": [
-        "A step is compute, plus the framework's own work around each collective, plus every collective's "
-        "α-β time. Each term has its own fitted numbers.",
+        "A step is compute, plus FSDP's own work around each all-gather and reduce-scatter, plus every "
+        "collective's α-β time. Each term has its own fitted numbers.",
         "Walk cost.ops: each OpCost is `count` calls of one op over a group of `group_size` ranks, moving "
         "`wire_bytes` in all. Look up that (op, group) fit in comm; α is paid per call, β per wire byte. "
-        "Compute is compute.seconds(flops); the framework term is γ per call, and DDP (strategy 'dp') has none.",
+        "Compute is compute.seconds(flops); the framework term is γ per all-gather or reduce-scatter call "
+        "(all-reduces get none).",
         "sum(o.count * ab.alpha_s + ab.beta_s_per_byte * o.wire_bytes for o in cost.ops with "
-        "ab = comm.alpha_beta(o.op, o.group_size)) + compute.seconds(flops) + gamma * (calls, unless dp)",
+        "ab = comm.alpha_beta(o.op, o.group_size)) + compute.seconds(flops) + gamma * (all-gather and "
+        "reduce-scatter calls)",
     ],
     "compute_bound_batch": [
         "Compute grows with the batch, FSDP's traffic does not: find where the first catches up with the second.",
@@ -76,16 +78,15 @@ def _ex1_inputs(strategy, n, batch, width, replicate):
 
 
 def reference_step_seconds(strategy, cost, flops, compute, comm, gamma) -> float:
-    """The model's step (no overlap): compute + γ · calls (not for DP) + Σ count·α + β·wire."""
-    calls = sum(o.count for o in cost.ops)
-    return (compute.seconds(flops) + (0.0 if strategy == "dp" else gamma * calls)
+    """The model's step (no overlap): compute + γ · (all-gather and reduce-scatter calls) + Σ count·α + β·wire."""
+    return (compute.seconds(flops) + gamma * step_model.framework_calls(cost)
             + sum(comm.seconds(o) for o in cost.ops))
 
 
 def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
     """Likely wrong answers, by diagnosis."""
-    calls = sum(o.count for o in cost.ops)
-    fw = 0.0 if strategy == "dp" else gamma * calls
+    fw = gamma * step_model.framework_calls(cost)
+    every = gamma * sum(o.count for o in cost.ops)
     ab = lambda o: comm.alpha_beta(o.op, o.group_size)  # noqa: E731
     return {
         "left out α: every call pays the latency α, however small the message": compute.seconds(flops) + fw + sum(
@@ -101,8 +102,11 @@ def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
             + comm.alpha_beta("all_reduce", o.group_size).beta_s_per_byte * o.wire_bytes for o in cost.ops),
         "left out compute: the step also runs forward, backward and the optimizer": fw + sum(
             comm.seconds(o) for o in cost.ops),
-        "left out the framework term γ · calls (FSDP2's hooks and copies around each collective)":
-            compute.seconds(flops) + sum(comm.seconds(o) for o in cost.ops),
+        "left out the framework term γ · calls (FSDP2's hooks and copies around each all-gather and "
+        "reduce-scatter)": compute.seconds(flops) + sum(comm.seconds(o) for o in cost.ops),
+        "charged γ on all-reduces too: γ is FSDP's copy-in/copy-out around all-gathers and reduce-scatters; an "
+        "all-reduce (DDP's buckets, HSDP's replicate step) reduces in place": compute.seconds(flops) + every + sum(
+            comm.seconds(o) for o in cost.ops),
     }
 
 

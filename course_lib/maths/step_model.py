@@ -9,9 +9,10 @@ Two straight lines, fitted on this machine, and the course's byte counts in betw
   one fit per op and group size (:class:`CommModel`), summed over the ops of
   :func:`course_lib.maths.costs.step_cost` -- the analytic bytes of Labs 01-06, never a ledger.
 
-A third term, ``framework = γ · collectives``, is the work a sharding framework does around each
-collective on the ranks' own threads (FSDP2: hooks, all-gather copy-in/copy-out, DTensor bookkeeping); the
-c10d-level α-β never sees it. It is measured once per machine (:func:`fit_framework_overhead`) -- on a CPU
+A third term, ``framework = γ · (all-gather and reduce-scatter calls)``, is the work FSDP does around each
+of its unit collectives on the ranks' own threads (FSDP2: hooks, all-gather copy-in/copy-out, the gradient's
+chunk-cat, DTensor bookkeeping); the c10d-level α-β never sees it. All-reduces (DDP's buckets, HSDP's
+replicate step) get none: they reduce the gradient in place. It is measured once per machine (:func:`fit_framework_overhead`) -- on a CPU
 it is the largest error of the two-line model.
 
 ``step = compute + framework + (1 - overlap) · comm``. On a CPU ``overlap`` is ~0: gloo runs its work on background
@@ -32,7 +33,7 @@ from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, OpCost, StepCost, fit_alpha_beta, step_cost
 
 __all__ = ["gpt_units", "train_flops", "ComputeModel", "CommModel", "Prediction", "predict", "STRATEGIES",
-           "fit_framework_overhead"]
+           "fit_framework_overhead", "framework_calls"]
 
 #: What :func:`predict` knows how to price (the ``costs.step_cost`` names).
 STRATEGIES = ("dp", "fsdp", "hsdp")
@@ -130,11 +131,16 @@ class Prediction:
     overlap: float
     cost: StepCost
     comm_by_op: dict
-    framework_s: float = 0.0   #: γ · number of collectives (0 for DP: DDP's reducer is C++)
+    framework_s: float = 0.0   #: γ · framework_calls
 
     @property
     def collectives(self) -> int:
         return sum(o.count for o in self.cost.ops)
+
+    @property
+    def framework_calls(self) -> int:
+        """All-gather and reduce-scatter calls: the ones FSDP wraps in copies and hooks."""
+        return framework_calls(self.cost)
 
     @property
     def step_s(self) -> float:
@@ -152,7 +158,7 @@ def predict(strategy: str, cfg, n: int, batch: int, compute: ComputeModel, comm:
     """The step time of ``strategy`` ("dp", "fsdp", "hsdp") for the course GPT ``cfg`` on ``n`` ranks with a
     *global* batch of ``batch`` sequences (``batch / n`` per rank). FSDP2 pads on dim 0 (``padding="dim0"``);
     ``root_unit=0`` when the root is not resharded after forward (FSDP2's default for the root).
-    ``per_collective_s``: γ, the framework's own seconds per collective (ignored for DP)."""
+    ``per_collective_s``: γ, FSDP's own seconds per all-gather or reduce-scatter call."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     strategies.sharding_factor(strategy, n, replicate)
@@ -170,15 +176,20 @@ def predict(strategy: str, cfg, n: int, batch: int, compute: ComputeModel, comm:
         by_op[key] = by_op.get(key, 0.0) + comm.seconds(o)
     if per_collective_s < 0:
         raise ValueError(f"per_collective_s={per_collective_s} must be >= 0")
-    framework = 0.0 if strategy == "dp" else per_collective_s * sum(o.count for o in cost.ops)
+    framework = per_collective_s * framework_calls(cost)
     return Prediction(strategy, n, tokens, flops, compute.seconds(flops), sum(by_op.values()), overlap, cost, by_op,
                       framework)
 
 
+def framework_calls(cost: StepCost) -> int:
+    """How many all-gather and reduce-scatter calls a step makes (what γ multiplies)."""
+    return sum(o.count for o in cost.ops if o.op in ("all_gather", "reduce_scatter"))
+
+
 def fit_framework_overhead(measured_s: float, prediction: Prediction) -> float:
-    """γ from one measured step: what the compute and communication terms leave unexplained, per collective
-    (0 when the prediction already covers the measurement). Fit it on a configuration you will not test."""
-    if prediction.collectives == 0:
-        raise ValueError("the prediction has no collectives to spread the residual over (a DP or 1-rank run?)")
+    """γ from one measured step: what the compute and communication terms leave unexplained, per all-gather
+    or reduce-scatter call (0 when the prediction already covers it). Fit it on a configuration you will not test."""
+    if prediction.framework_calls == 0:
+        raise ValueError("the prediction has no all-gather or reduce-scatter to spread the residual over (DP?)")
     rest = measured_s - prediction.compute_s - (1.0 - prediction.overlap) * prediction.comm_s
-    return max(0.0, rest / prediction.collectives)
+    return max(0.0, rest / prediction.framework_calls)
