@@ -164,6 +164,11 @@ class Checkpointer:
         if blocking:
             self.wait()
 
+    @property
+    def in_flight(self):
+        """The future of the async save being written (``.done()`` tells), or None."""
+        return None if self._pending is None else self._pending[1]
+
     def wait(self) -> int | None:
         """Finish the save in flight (if any): wait for its files, commit, prune. Returns its step."""
         if self._pending is None:
