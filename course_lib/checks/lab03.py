@@ -206,12 +206,14 @@ def _unit_on_rank(fn_cls, dtype_name: str):
 
 
 def _dtype_failure(exc) -> str | None:
-    text = str(exc)
+    first = str(exc).split("\n")[0]
     if getattr(exc, "exc_type", "") in ("RuntimeError", "TypeError", "ValueError") and (
-            "dtype" in text.lower() or "type" in text.lower() and "float" in text.lower()):
-        return ("in float64 your code raised: " + text.split("\n")[0][:200] + "\n   likely mistake: a buffer "
-                "allocated without dtype= (torch.empty(k) is float32): allocate like the input, "
-                "dtype=sharded.dtype, device=sharded.device")
+            "dtype" in first.lower() or "tensor type" in first.lower() or "float" in first.lower()):
+        where = f"on rank {exc.rank}, " if getattr(exc, "rank", None) is not None else ""
+        said = first.split(": ", 1)[-1].split(" (expected")[0][:160]
+        return (f"with a float64 shard your Unshard failed ({where}{said})\n   likely mistake: a buffer allocated "
+                "without dtype= (torch.empty(k) is float32): allocate like the input, dtype=sharded.dtype, "
+                "device=sharded.device (the lab's parity check runs in float64)")
     return None
 
 
@@ -369,7 +371,7 @@ _PLUMBING = [
     ("AttributeError", "'NoneType' object has no attribute 'as_strided'",
      "the backward found a unit marked UNSHARDED without its buffer: free it with flat.reshard(), which also "
      "sets the state back to SHARDED (flat.unsharded = None alone leaves it UNSHARDED, so nothing gathers it again)"),
-    ("AttributeError", "has no attribute", "the unit's modules have no weights while it runs: pre_forward must "
+    ("AttributeError", "object has no attribute 'weight'", "the unit's modules have no weights while it runs: pre_forward must "
                                            "point them at views of the gathered buffer (flat.set_views(full))"),
     ("RuntimeError", "pre_backward left unit", "pre_backward must gather the unit again (flat.unshard()): "
                                                "post_forward freed it and the backward needs its weights"),
