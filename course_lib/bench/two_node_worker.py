@@ -142,6 +142,7 @@ def _gloo_on(iface: str) -> None:
 def jax_main(a) -> int:
     """One JAX process of the two-node run: FSDP (mesh (1, 4)) and HSDP (mesh (2, 2)), timed, with the veth's bytes."""
     import jax
+    jax.config.update("jax_platforms", "cpu")          # the two "nodes" are CPU processes, GPUs or not
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _gloo_on(a.iface)
