@@ -93,3 +93,34 @@ def test_restore_without_shardings_is_refused_and_eval_shape_drops_them(jx, tmp_
 def test_manager_rejects_bad_keep(tmp_path):
     with pytest.raises(ValueError, match="keep=0 must be an int >= 1"):
         cj.manager(tmp_path, keep=0)
+
+
+KILLED_SAVE = '''
+import os, sys
+import numpy as np
+import jax
+from course_lib.strategies import checkpoint_jax as cj
+mngr = cj.manager(sys.argv[1])
+state = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(64, np.float32)}
+cj.save(mngr, 1, state, {"data_step": 1})
+mngr.wait_until_finished()
+cj.save(mngr, 2, {k: v * 2 for k, v in state.items()}, {"data_step": 2})
+os._exit(9)                       # killed while the async save of step 2 is in flight
+'''
+
+
+def test_process_killed_during_async_save_leaves_previous_step(tmp_path):
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    out = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 9, out.stderr[-2000:]
+    assert cj.incomplete_steps(tmp_path) and cj.incomplete_steps(tmp_path)[0].startswith("2.orbax-checkpoint-tmp")
+    mngr = cj.manager(tmp_path)
+    assert mngr.all_steps() == [1]                                  # the unfinished step 2 is not a step
+    one = SingleDeviceSharding(jax.devices()[0])
+    target = {"w": jax.ShapeDtypeStruct((64, 64), np.float32, sharding=one),
+              "b": jax.ShapeDtypeStruct((64,), np.float32, sharding=one)}
+    state, meta = cj.restore(mngr, 1, target)
+    assert meta == {"data_step": 1} and np.array_equal(np.asarray(state["w"]), np.arange(4096).reshape(64, 64))
+    mngr.close()
