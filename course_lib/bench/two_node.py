@@ -79,8 +79,8 @@ def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1,
                      "--warmup", str(warmup), "--batch", str(batch)]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.iface, "OMP_NUM_THREADS": "1",
                    "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(REPO)}
-            procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=subprocess_devnull(quiet),
-                                   stderr=subprocess_devnull(quiet)))
+            procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=_output(quiet),
+                                   stderr=_output(quiet)))
         t0 = time.perf_counter()
         _wait(procs, timeout_s, "the two-node torchrun job")
         result = json.loads(Path(out).read_text())
@@ -102,8 +102,8 @@ def run_jax(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, b
                     "--process-id", str(node.index), "--coordinator", f"{a.addr}:{port}", "--iface", node.iface,
                     "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
-            procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=subprocess_devnull(quiet),
-                                   stderr=subprocess_devnull(quiet)))
+            procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=_output(quiet),
+                                   stderr=_output(quiet)))
         t0 = time.perf_counter()
         _wait(procs, timeout_s, "the two-node JAX job")
         result = json.loads(Path(out).read_text())
@@ -112,7 +112,8 @@ def run_jax(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, b
     return result
 
 
-def subprocess_devnull(quiet: bool):
+def _output(quiet: bool):
+    """Where a worker's output goes: nowhere when quiet, else this process's own stdout/stderr."""
     import subprocess
     return subprocess.DEVNULL if quiet else None
 
