@@ -46,9 +46,10 @@ def _set_prefetch(model, how: str) -> None:
 
 def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "default",
                     reshard_after_forward: bool = True, trace_path: str | None = None, warmup: int = 1,
-                    dtype=None) -> dict:
+                    dtype=None, device: str | None = None) -> dict:
     """Every rank: FSDP2 on the course GPT (bottom-up ``fully_shard``), ``warmup`` steps, then ``steps`` profiled
-    steps. Rank 0 writes the Chrome trace to ``trace_path``. Returns ``{"stats": overlap_stats(...) as dict,
+    steps. Rank 0 writes the Chrome trace to ``trace_path``. ``device`` overrides the rank's own device
+    (``"cuda:0"`` lets two gloo ranks share one GPU: FSDP2's CUDA streams, gloo's host-side transfers). Returns ``{"stats": overlap_stats(...) as dict,
     "step_s": wall seconds per profiled step}`` from this rank's own trace."""
     import os
     import tempfile
@@ -64,7 +65,7 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
     from course_lib.strategies.fsdp2 import shard_gpt
     if prefetch not in PREFETCH:
         raise ValueError(f"prefetch={prefetch!r} must be one of {PREFETCH}")
-    dev = torch.device(rank_info().device)
+    dev = torch.device(device or rank_info().device)   # device="cuda:0": gloo ranks sharing one GPU
     r, n = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
         model = TorchGPT(cfg)
@@ -72,7 +73,12 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
     if dtype is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    shard_gpt(model, init_device_mesh(dev.type, (n,)), **kwargs)
+    if dev.type == "cuda" and dist.get_backend() != "nccl":   # gloo ranks sharing a GPU: gloo for CUDA tensors too
+        from torch.distributed.device_mesh import DeviceMesh
+        mesh = DeviceMesh.from_group(dist.new_group(list(range(n)), backend="cpu:gloo,cuda:gloo"), "cuda")
+    else:
+        mesh = init_device_mesh(dev.type, (n,))
+    shard_gpt(model, mesh, **kwargs)
     model.to_empty(device=dev)
     torch_init_(model, cfg, seed=0)
     _set_prefetch(model, prefetch)
@@ -143,9 +149,9 @@ def _is_comm(name: str) -> bool:
 def classify(events: list[dict], gpu: bool = False) -> dict[str, list[tuple[float, float]]]:
     """``{"compute": [(start_us, end_us), ...], "comm": [...]}`` from trace events (see the module doc)."""
     out = {"compute": [], "comm": []}
-    if gpu:
+    if gpu:   # compute: kernels; comm: NCCL kernels, or gloo's host-side work when gloo carries CUDA tensors
         for e in events:
-            if e.get("cat") == "kernel":
+            if e.get("cat") == "kernel" or e["name"].lower().startswith("gloo:"):
                 out["comm" if _is_comm(e["name"]) else "compute"].append((e["ts"], e["ts"] + e["dur"]))
         return out
     counts: dict = {}
