@@ -148,3 +148,53 @@ def test_tp_spec_ignoring_divisibility_is_caught():
     with pytest.raises(CheckFailed, match="do not divide"):
         lab06.check_tp_spec(lambda shape, f, t: P("fsdp", "tensor") if len(shape) == 2 and shape[0] >= 64
                             else P())
+
+
+# -- the whole lab, as a learner runs it, with a wrong answer in every exercise ------------------------------
+LAB_WRONG = {
+    "def shard_hsdp(": ('''def shard_hsdp(model, replicate, shard):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (shard, replicate), mesh_dim_names=("shard", "replicate"))   # torchtitan's order
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+''', ["❌ shard_hsdp:", "axes are swapped"]),
+    "def axis_bytes(": ('''def axis_bytes(psi_pad, replicate, shard, b=4):
+    R, F = replicate, shard
+    return {"shard": 3 * (F - 1) / F * psi_pad * b, "replicate": 2 * (R - 1) / R * psi_pad * b}   # the whole Ψ
+''', ["❌ axis_bytes:", "reduced shard"]),
+    "def choose_f(": ('''def choose_f(psi, world, per_node, budget, bw_intra, bw_inter):
+    return world                                     # always FSDP
+''', ["❌ choose_f:", "plain FSDP"]),
+    "def tp_spec(": ('''def tp_spec(shape, fsdp, tensor):
+    if len(shape) == 2 and math.prod(shape) >= fsdp_jax.MIN_SIZE:
+        return P(("fsdp", "tensor"), None)          # both axes on the rows
+    return fsdp_jax.fsdp_spec(shape, fsdp)
+''', ["❌ tp_spec:", "over both axes"]),
+}
+
+
+@pytest.mark.slow
+def test_a_wrong_answer_never_breaks_lab06(monkeypatch):
+    from pathlib import Path
+    import nbformat
+    from nbclient import NotebookClient
+    labs = Path(__file__).resolve().parent.parent / "labs"
+    nb = nbformat.read(labs / "06_hybrid_sharding.ipynb", as_version=4)
+    for key, (source, _) in LAB_WRONG.items():
+        cells = [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith(key)]
+        assert len(cells) == 1 and "NotImplementedError" in cells[0].source, key
+        cells[0].source = source
+    monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")       # lab mode: ❌ and fall back, never raise
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(labs)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "\n".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    for key, (_, says) in LAB_WRONG.items():
+        line = next((ln for ln in text.splitlines() if ln.startswith(says[0])), None)
+        assert line is not None, f"no {says[0]!r} line for {key!r}"
+        assert all(s in text[text.index(line):text.index(line) + 800] for s in says[1:]), line
+    assert text.count("The rest of the lab uses the reference answer") == len(LAB_WRONG)
