@@ -61,6 +61,15 @@ def skips_last_block(model, mesh):              # off by one: the last block sta
     fully_shard(model, mesh=mesh)
 
 
+def bf16_params(model, mesh):                   # a knob that halves what is gathered: not what was asked
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
 def test_shard_model_right_and_stub(capsys):
     assert lab04.check_shard_model(shard_model) is True
     assert "✅ shard_model: 4 units (root + 3 blocks)" in capsys.readouterr().out
@@ -73,7 +82,8 @@ def test_shard_model_right_and_stub(capsys):
                                          (root_first, "the root was sharded before the blocks"),
                                          (every_linear, "sharding each layer inside a block"),
                                          (never_reshards, "reshard_after_forward=False"),
-                                         (skips_last_block, "call fully_shard(block) on every block")])
+                                         (skips_last_block, "call fully_shard(block) on every block"),
+                                         (bf16_params, "a knob changed what is sent")])
 def test_shard_model_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
         lab04.check_shard_model(wrong)

@@ -8,6 +8,7 @@ same numbers), so the checks count units and collectives.
 from __future__ import annotations
 
 from course_lib import checks
+from course_lib.maths import costs
 from course_lib.models import LAB_CONFIG, GPTConfig
 
 __all__ = ["HINTS", "MEASURED", "check_shard_model", "check_prefetch_plan"]
@@ -66,7 +67,9 @@ def _fsdp2_on_rank(fn, cfg):
     info = {"plain": [n_ for n_, p in model.named_parameters() if not isinstance(p, DTensor)],
             "root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in model.blocks],
             "units": [n_ or "root" for n_, m in model.named_modules() if isinstance(m, FSDPModule)],
-            "placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)})}
+            "placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}),
+            "shapes": [[tuple(p.shape) for n_, p in model.named_parameters() if not n_.startswith("blocks.")]]
+            + [[tuple(p.shape) for p in b.parameters()] for b in model.blocks]}
     x, y = (torch.from_numpy(a).to(device) for a in
             TokenTask(cfg.vocab_size, cfg.seq_len).rank_batch(0, 8, dist.get_rank(), dist.get_world_size()))
     lt.recorder().reset()
@@ -116,9 +119,16 @@ def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> boo
                    "default" if bwd == 0 else "one all-gather per unit in forward, the blocks again in backward")
             raise AssertionError(f"rank 0 issued {fwd} all-gathers in forward, {bwd} in backward, {rs} "
                                  f"reduce-scatters; expected {k}, {k - 1}, {k}\n   likely mistake: {why}")
+        formula = costs.step_cost("fsdp", o["shapes"], world_size, padding="dim0", root_unit=0).wire_bytes
+        wire = costs.ledger_wire_bytes(led)
+        if abs(costs.ratio(wire, formula) - 1) > 1e-9:
+            dtypes = sorted({r.dtype for r in led})
+            raise AssertionError(f"the right collectives, but rank 0 sent {wire:,.0f} wire bytes, the fp32 formula says "
+                                 f"{formula:,.0f} (dtypes on the wire: {dtypes})\n   likely mistake: a knob changed "
+                                 "what is sent (mp_policy, a bf16 model): shard with the defaults here")
         MEASURED.update({"forward all-gathers": fwd, "backward all-gathers": bwd})
         c.ok(f"{k} units (root + {k - 1} blocks), every parameter a DTensor {o['placements'][0]}; one step: "
-             f"{fwd} all-gathers in forward, {bwd} in backward, {rs} reduce-scatters")
+             f"{fwd} all-gathers in forward, {bwd} in backward, {rs} reduce-scatters, {wire:,.0f} wire bytes (the formula)")
     return bool(c.passed)
 
 
