@@ -1,0 +1,139 @@
+"""The training scripts' configuration: one frozen dataclass, every flag checked before any rank trains.
+
+Shared by ``python -m course_lib.train`` (torch) and ``python -m course_lib.train_jax`` (JAX). A cluster
+job that dies after queueing for an hour on a typo is the worst kind of failure, so :class:`TrainConfig`
+checks everything it can from the flags and the launcher's environment alone (``WORLD_SIZE`` under
+torchrun, process count x local devices under ``jax.distributed``), and :func:`check_resume` compares a
+checkpoint's recorded configuration with the new one *before* the model is built. Every error names the
+values involved and the fix. Importing this module imports neither torch nor JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["TrainConfig", "ConfigError", "add_arguments", "from_args", "check_resume", "write_run_record",
+           "RUN_RECORD", "MODEL_FIELDS"]
+
+RUN_RECORD = "run.json"   #: in the checkpoint directory: the configuration that wrote the checkpoints
+MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")  #: must match to resume
+DATA_FIELDS = ("batch", "data_seed")   #: must match too: the data position counts global batches of this size
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot train; the message names every value involved and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs, validated in ``__post_init__`` against ``world_size`` (ranks or devices)."""
+
+    world_size: int               #: WORLD_SIZE (torch) or jax.device_count() (JAX)
+    replicate: int = 1            #: R, copies of every shard (HSDP's outer mesh dim); 1 = plain FSDP
+    shard: int = 0                #: F, ranks one copy is cut across; 0 = world_size // replicate
+    vocab_size: int = 67
+    seq_len: int = 30
+    d_model: int = 66
+    n_heads: int = 3
+    n_layers: int = 3
+    d_ff: int = 198
+    batch: int = 8                #: GLOBAL batch (rows per step, all ranks together)
+    steps: int = 20
+    lr: float = 3e-3
+    warmup: int = 8
+    seed: int = 0                 #: weights
+    data_seed: int = 0            #: the token stream
+    bf16: bool = False            #: bf16 compute, fp32 master weights and gradient reduction
+    act_ckpt: bool = False        #: recompute each block's activations in backward
+    compile: bool = False         #: torch.compile each block (torch) -- JAX always compiles
+    ckpt_dir: str | None = None   #: where numbered checkpoints go (None: no checkpoints)
+    ckpt_every: int = 0           #: save every K steps (0: only at SIGTERM and at the end)
+    keep: int = 2                 #: keep the newest K complete checkpoints
+    resume: bool = False          #: start from the newest complete checkpoint in ckpt_dir
+    jsonl: str | None = None      #: JSON-lines log (rank 0 / process 0); not --log: torchrun would take it
+    throttle: float = 0.0         #: seconds of sleep per step (tests: leave time to kill a job mid-run)
+
+    def __post_init__(self):
+        ints = {k: getattr(self, k) for k in ("world_size", "replicate", "vocab_size", "seq_len", "d_model", "n_heads",
+                                               "n_layers", "d_ff", "batch", "steps", "warmup", "keep")}
+        bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        neg = {k: getattr(self, k) for k in ("shard", "ckpt_every", "seed", "data_seed") if getattr(self, k) < 0}
+        if bad or neg:
+            raise ConfigError(f"these must be positive ints: {bad}; these non-negative: {neg}")
+        if self.shard == 0:
+            object.__setattr__(self, "shard", self.world_size // self.replicate or 1)
+        errors = []
+        R, F, N = self.replicate, self.shard, self.world_size
+        if R * F != N:
+            divs = [f for f in range(1, N + 1) if N % f == 0]
+            errors.append(f"replicate({R}) * shard({F}) != WORLD_SIZE({N}): the mesh must cover every rank; pick "
+                          f"--shard from the divisors of {N}: {divs} and --replicate {N}//shard "
+                          f"(e.g. --replicate 1 --shard {N} for FSDP)")
+        if self.batch % N:
+            errors.append(f"batch({self.batch}) % WORLD_SIZE({N}) = {self.batch % N}: every rank takes batch/N rows "
+                          f"of the global batch; use --batch {max(N, self.batch - self.batch % N)} or "
+                          f"{self.batch + N - self.batch % N}")
+        if self.d_model % self.n_heads:
+            errors.append(f"d_model({self.d_model}) % n_heads({self.n_heads}) = {self.d_model % self.n_heads}: heads "
+                          f"split d_model evenly; pick --n-heads from the divisors of {self.d_model}")
+        if (self.resume or self.ckpt_every) and not self.ckpt_dir:
+            errors.append(f"resume={self.resume}, ckpt_every={self.ckpt_every} but no --ckpt-dir: say where "
+                          "checkpoints live")
+        if errors:
+            raise ConfigError("bad configuration, nothing was started:\n  " + "\n  ".join(errors))
+
+    def model_config(self):
+        from course_lib.models import GPTConfig
+        return GPTConfig(**{k: getattr(self, k) for k in MODEL_FIELDS})
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags both scripts share (``--d-model 66`` ... ``--resume``); ``world_size`` comes from the launcher."""
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "world_size":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",):
+            p.add_argument(flag, action="store_true", help=f"(default off)")
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
+    return p
+
+
+def from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "world_size"]
+    return TrainConfig(world_size=world_size, **{k: getattr(args, k) for k in names if hasattr(args, k)})
+
+
+def check_resume(cfg: TrainConfig) -> dict | None:
+    """The recorded configuration of ``cfg.ckpt_dir`` (None if there is none); raises :class:`ConfigError`
+    naming every model or data field that differs -- before the model is built, on every rank alike."""
+    if not cfg.ckpt_dir:
+        return None
+    path = Path(cfg.ckpt_dir) / RUN_RECORD
+    if not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    diff = {k: (old.get(k), getattr(cfg, k)) for k in MODEL_FIELDS + DATA_FIELDS if old.get(k) != getattr(cfg, k)}
+    if diff:
+        what = ", ".join(f"{k} saved {a} vs now {b}" for k, (a, b) in diff.items())
+        flags = " ".join(f"--{k.replace('_', '-')} {a}" for k, (a, _) in diff.items())
+        raise ConfigError(f"the checkpoint in {cfg.ckpt_dir} is from a different model or data stream: {what}; "
+                          f"resume with {flags}, or point --ckpt-dir at a new directory to start afresh")
+    return old
+
+
+def write_run_record(cfg: TrainConfig) -> None:
+    """Rank 0: record the configuration next to the checkpoints (world size and mesh may change on resume)."""
+    root = Path(cfg.ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (RUN_RECORD + ".tmp")
+    tmp.write_text(json.dumps(cfg.record(), indent=1))
+    tmp.replace(root / RUN_RECORD)
