@@ -33,12 +33,13 @@ best in one place; the rank side and the result types live in :mod:`.rank` and :
 from __future__ import annotations
 
 import atexit
-import datetime
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import shutil
 import sys
+import tempfile
 import time
 
 import cloudpickle
@@ -86,22 +87,29 @@ def _start_fork_server():
 
 class _Pool:
     def __init__(self, world_size: int, backend: str, pg_timeout_s: float, start_timeout_s: float):
-        import torch.distributed as dist
-        self.world_size, self.backend = world_size, backend
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=pg_timeout_s))
+        self.world_size, self.backend, self.pg_timeout_s = world_size, backend, pg_timeout_s
+        self.conns, self.procs, self._child_ends = [], [], []
+        # Rendezvous through a file in a private directory: no socket at all, so nothing listens
+        # beyond this machine (a TCPStore master binds every interface) and no name lookup.
+        self.tmpdir = tempfile.mkdtemp(prefix="course_lib-store-")
+        store_path = os.path.join(self.tmpdir, "store")
         ctx = _context()
-        self.conns, self.procs = [], []
-        for r in range(world_size):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=worker_main, args=(r, world_size, backend, "127.0.0.1", self.store.port, child, pg_timeout_s),
-                            name=f"course_lib-rank{r}", daemon=True)
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
-        ready = self._collect(lambda r, msg: msg[0] == "ready", start_timeout_s, what="start")
-        del ready
+        self.progress = ctx.Array("q", 3 * world_size, lock=False)  # per rank: collectives, op, bytes
+        try:  # an interrupt while forking/connecting must not leave half a pool behind
+            for r in range(world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=worker_main, args=(r, world_size, backend, store_path, 0, child, pg_timeout_s,
+                                                          self.progress),
+                                name=f"course_lib-rank{r}", daemon=True)
+                self.conns.append(parent)
+                self._child_ends.append(child)
+                p.start()
+                self.procs.append(p)
+                child.close()
+            self._collect(lambda r, msg: msg[0] == "ready", start_timeout_s, what="start")
+        except BaseException:
+            self.kill()
+            raise
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -164,7 +172,9 @@ class _Pool:
             self.kill()  # someone may be stuck in a collective: start afresh next time
         if dead:  # a dead rank is the cause; the others' errors are usually its echo
             first = min(dead)
-            desc = ", ".join(f"rank {r} {_describe_exit(c)}" for r, c in sorted(dead.items()))
+            if what == "start" and set(dead.values()) == {MAIN_GUARD_EXIT}:
+                raise RankError(first, "RankDied", _MAIN_GUARD_TEXT, "", {})
+            desc = _describe_deaths(dead)
             others = {r: e[0] for r, e in errors.items()}
             raise RankError(first, "RankDied", f"{desc} during the {what}; the pool was shut down, "
                             "the next call starts afresh", "", others)
@@ -174,21 +184,49 @@ class _Pool:
             others = {r: e[0] for r, e in errors.items() if r != first}
             raise RankError(first, exc_type, message, tb, others)
         missing = [r for r in range(self.world_size) if r not in finals]
+        where, slow = self._where(missing) if what == "call" else ("", missing[0])
         raise LaunchTimeout(
-            missing[0], "LaunchTimeout",
-            f"rank(s) {missing} did not finish the {what} within {timeout_s:g} s "
-            f"(finished: {sorted(finals) or 'none'}). A rank that skips a collective leaves the others "
+            slow, "LaunchTimeout",
+            f"{ranks_text(missing)} did not finish the {what} within {timeout_s:g} s "
+            f"(finished: {ranks_text(sorted(finals), bare=True) or 'none'}){where}. A rank that skips a collective leaves the others "
             "waiting in it. The pool was shut down; the next call starts afresh "
             "(pass timeout=... to allow longer runs)", "")
 
+    def _where(self, missing):
+        """Where the unfinished ranks wait, from the collective counts every rank publishes live."""
+        prog = list(self.progress)
+        count = {r: prog[3 * r] for r in range(self.world_size)}
+        top = max(count[r] for r in missing)
+        if top == 0:
+            return "; none of them issued a collective in this call (still computing?)", missing[0]
+        ahead = [r for r in missing if count[r] == top]
+        behind = [r for r in range(self.world_size) if count[r] < top]
+        r0 = ahead[0]
+        op = _OP_NAMES[prog[3 * r0 + 1]] if prog[3 * r0 + 1] < len(_OP_NAMES) else "a collective"
+        if not behind:
+            return f"; all wait in {op} #{top} ({prog[3 * r0 + 2]} B)", missing[0]
+        done = [r for r in behind if r not in missing]
+        text = (f": {ranks_text(ahead)} wait in {op} #{top} ({prog[3 * r0 + 2]} B); "
+                f"{ranks_text(behind)} never issued it")
+        if done:
+            text += f" ({ranks_text(done)} returned without it)"
+        return text, behind[0]
+
     def call(self, fn, args, kwargs, timeout_s: float) -> RunResult:
-        blob = cloudpickle.dumps((fn, args, kwargs))
+        blob = _pickle_call(fn, args, kwargs)
+        for i in range(len(self.progress)):
+            self.progress[i] = 0
         t0 = time.perf_counter()
         for c in self.conns:
             c.send(("run", blob))
         finals = self._collect(lambda r, msg: msg[0] == "result", timeout_s, what="call")
         _flush_labelled()
-        out = RunResult(cloudpickle.loads(finals[r][1]) for r in range(self.world_size))
+        bad = {r: finals[r][1][1] for r in range(self.world_size) if finals[r][1][0] == "unpicklable"}
+        if bad:
+            r = min(bad)
+            raise RankError(r, "PicklingError", f"the return value of fn on {ranks_text(sorted(bad))} could not "
+                            f"be sent back: {bad[r]}. Return tensors, numbers, lists or dicts of them", "")
+        out = RunResult(cloudpickle.loads(finals[r][1][1]) for r in range(self.world_size))
         out.seconds = time.perf_counter() - t0
         out.ledger = Ledger.merge(Ledger.from_dicts(finals[r][2]) for r in range(self.world_size))
         out.backend = self.backend
@@ -200,9 +238,11 @@ class _Pool:
                 p.kill()
         for p in self.procs:
             p.join(2)
-        for c in self.conns:
-            c.close()
-        _POOLS.pop((self.world_size, self.backend), None)
+        for c in self.conns + getattr(self, "_child_ends", []):
+            c.close()  # a rank forked after an interrupt sees EOF during its start and leaves
+        shutil.rmtree(getattr(self, "tmpdir", ""), ignore_errors=True)
+        if _POOLS.get((self.world_size, self.backend)) is self:
+            _POOLS.pop((self.world_size, self.backend), None)
 
     def stop(self):
         """Polite shutdown: ranks leave with os._exit; anything left after 2 s is killed."""
@@ -215,6 +255,68 @@ class _Pool:
             p.join(2)
         self.kill()
         return [p.exitcode for p in self.procs]
+
+
+MAIN_GUARD_EXIT = 87  #: a rank's exit code when the script it re-imports calls run() at import time
+_MAIN_GUARD_TEXT = ("this script calls course_lib.run() at import time: every rank re-imports the script, so "
+                    "put the call under `if __name__ == \"__main__\":`")
+_OP_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
+             "reduce", "gather", "scatter")
+
+
+def max_world_size() -> int:
+    """Most ranks this machine runs: each rank is a process of ~150 MB that gloo connects to every other."""
+    env = os.environ.get("COURSE_LIB_MAX_WORLD_SIZE")
+    if env:
+        return int(env)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return max(2, min(64, int(avail // (150 << 20))))
+
+
+def ranks_text(ranks, bare: bool = False) -> str:
+    """``[0..999] minus 7`` -> "ranks 0–6, 8–999": never more than a handful of numbers."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return ""
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append((start, a))
+            start = b
+    parts = [f"{a}" if a == b else (f"{a},{b}" if b == a + 1 else f"{a}–{b}") for a, b in runs]
+    if len(parts) > 4:
+        parts = parts[:3] + [f"… ({len(ranks)} ranks in all)"]
+    body = ",".join(parts)
+    if bare:
+        return body
+    return f"rank {body}" if len(ranks) == 1 else f"ranks {body}"
+
+
+def _describe_deaths(dead: dict) -> str:
+    by_code: dict = {}
+    for r, c in dead.items():
+        by_code.setdefault(c, []).append(r)
+    return "; ".join(f"{ranks_text(rs)} {_describe_exit(c)}" for c, rs in sorted(by_code.items(), key=lambda x: min(x[1])))
+
+
+def _pickle_call(fn, args, kwargs) -> bytes:
+    """Pickle the call by value; if that fails, name the piece that cannot travel to the ranks."""
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        pieces = [("the function " + getattr(fn, "__name__", repr(fn)), fn)]
+        pieces += [(f"argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
+        pieces += [(f"keyword argument {k}= ({type(v).__name__})", v) for k, v in kwargs.items()]
+        for what, obj in pieces:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as inner:
+                raise TypeError(f"run() cannot send {what} to the ranks: {type(inner).__name__}: {inner}. "
+                                "Pass plain data (tensors, numbers, configs) and build the rest inside fn") from None
+        raise TypeError(f"run() cannot pickle the call: {exc}") from None
 
 
 def _describe_exit(code) -> str:
@@ -270,8 +372,16 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
     from course_lib.runtime.devices import check_torch_version, choose_backend
     if not callable(fn):
         raise TypeError(f"run() needs a function to call on every rank, got {type(fn).__name__}: {fn!r}")
+    if mp.current_process().name.startswith("course_lib-rank"):
+        # We are a rank re-importing a script whose run() call is not under a __main__ guard.
+        os._exit(MAIN_GUARD_EXIT)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int (2-8 ranks suit this machine)")
+    limit = max_world_size()
+    if world_size > limit and not _under_torchrun():
+        raise ValueError(f"world_size={world_size} is more than this machine can run: at most {limit} ranks "
+                         f"({os.cpu_count()} cores; each rank is a process of ~150 MB, and gloo connects every rank "
+                         "to every other). Use 2-8 ranks; COURSE_LIB_MAX_WORLD_SIZE raises the limit")
     if timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
     if _under_torchrun():
@@ -281,18 +391,20 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
     b = choose_backend(world_size, prefer=backend).name
     key = (world_size, b)
     pool = _POOLS.get(key)
-    if pool is not None and (fresh or not pool.alive()):
+    # The process-group timeout is fixed when a pool starts: a call that needs longer gets a new pool.
+    if pool is not None and (fresh or not pool.alive() or pool.pg_timeout_s < timeout):
         pool.stop()
         pool = None
-    if pool is None:
-        while len(_POOLS) >= _MAX_POOLS:
-            _POOLS[next(iter(_POOLS))].stop()
-        pool = _Pool(world_size, b, pg_timeout_s=timeout, start_timeout_s=max(timeout, 60.0))
-        _POOLS[key] = pool
     try:
+        if pool is None:
+            while len(_POOLS) >= _MAX_POOLS:
+                _POOLS[next(iter(_POOLS))].stop()
+            pool = _Pool(world_size, b, pg_timeout_s=timeout, start_timeout_s=max(timeout, 60.0))
+            _POOLS[key] = pool
         return pool.call(fn, args, kwargs, timeout)
     except KeyboardInterrupt:
-        pool.kill()
+        if pool is not None:
+            pool.kill()
         raise
 
 

@@ -12,6 +12,7 @@ import io
 import os
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -73,8 +74,37 @@ def to_cpu(value):
     return value
 
 
-def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, conn, pg_timeout_s: float):
-    """Body of one rank process (forked from the fork server)."""
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
+        "reduce", "gather", "scatter")
+
+
+def _publish_progress(rec, progress, rank: int):
+    """Background thread: publish this rank's collective count, last op and bytes (for hang messages)."""
+    import time
+    while True:
+        time.sleep(0.05)
+        recs = rec.records
+        if recs:
+            last = recs[-1]
+            progress[3 * rank + 1] = _OPS.index(last.op) if last.op in _OPS else len(_OPS)
+            progress[3 * rank + 2] = int(last.nbytes)
+        progress[3 * rank] = len(recs)
+
+
+def _leave_if_abandoned(conn, started: threading.Event):
+    """During the start the notebook sends nothing: a readable pipe means it closed (interrupted)."""
+    import multiprocessing.connection as mpc
+    while not started.is_set():
+        if mpc.wait([conn], timeout=0.1) and not started.is_set():
+            os._exit(1)
+
+
+def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, conn, pg_timeout_s: float,
+                progress=None):
+    """Body of one rank process (forked from the fork server).
+
+    ``host`` is the path of the rendezvous file store when ``port`` is 0, else a TCP store's host.
+    """
     global _RANK_INFO
     try:  # die with the fork server / notebook: no orphans even after a kernel crash
         import ctypes
@@ -83,6 +113,8 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook handles Ctrl-C and kills us
     os.environ["OMP_NUM_THREADS"] = "1"
+    # gloo binds loopback by interface name: no hostname resolution, nothing reachable from outside.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sys.stdout, sys.stderr = _PipeWriter(conn, "stdout"), _PipeWriter(conn, "stderr")
     import warnings
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
@@ -98,17 +130,26 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     _RANK_INFO = RankInfo(rank, world_size, backend, device)
+    starting = threading.Event()
+    threading.Thread(target=_leave_if_abandoned, args=(conn, starting), daemon=True).start()
     try:
-        store = dist.TCPStore(host, port, world_size=None, is_master=False,
-                              timeout=datetime.timedelta(seconds=pg_timeout_s))
+        if port == 0:
+            store = dist.FileStore(host, world_size)
+            store.set_timeout(datetime.timedelta(seconds=pg_timeout_s))
+        else:
+            store = dist.TCPStore(host, port, world_size=None, is_master=False,
+                                  timeout=datetime.timedelta(seconds=pg_timeout_s))
         name = torch_ledger.register(with_cuda=(backend == "nccl"))
         dist.init_process_group(name, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        starting.set()
         conn.send(("ready", rank))
     except BaseException as exc:
         conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
         os._exit(1)
     rec = torch_ledger.recorder()
+    if progress is not None:
+        threading.Thread(target=_publish_progress, args=(rec, progress, rank), daemon=True).start()
     while True:
         try:
             msg = conn.recv()
@@ -120,7 +161,10 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         rec.reset()
         try:
             value = to_cpu(fn(*args, **kwargs))
-            payload = cloudpickle.dumps(value)
+            try:
+                payload = ("ok", cloudpickle.dumps(value))
+            except Exception as exc:  # noqa: BLE001 - named on the notebook side
+                payload = ("unpicklable", f"{type(value).__name__} ({type(exc).__name__}: {exc})")
             conn.send(("result", payload, rec.ledger().to_dicts()))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
             conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))

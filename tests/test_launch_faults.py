@@ -1,0 +1,190 @@
+"""Launcher fault cases from an independent check: interrupts during the start, timeouts that follow
+the call, nothing listening beyond loopback, and bad input named in one line."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from course_lib import launch
+from course_lib.launch import LaunchTimeout, RankError
+from course_lib.launch import pool
+
+PY = sys.executable
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank_procs():
+    """Live rank processes of the child: the children of its fork server."""
+    out = []
+    for p in psutil.process_iter(["pid", "environ", "cmdline"]):
+        try:
+            env = p.info["environ"] or {}
+        except Exception:
+            continue
+        try:
+            parent_cmd = " ".join(p.parent().cmdline()) if p.parent() else ""
+            if (env.get("COURSE_LIB_TEST_TAG") == _TAG and p.status() != psutil.STATUS_ZOMBIE
+                    and "forkserver import main" in parent_cmd):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+_TAG = f"faults-{os.getpid()}"
+
+_CHILD = textwrap.dedent("""
+    import sys, course_lib
+    def f(x):
+        import time
+        time.sleep(x)
+        return x
+    if __name__ == "__main__":
+        print("go", flush=True)
+        course_lib.run(f, 2.0, world_size=4, timeout=20)
+""")
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.7, 1.5])
+def test_interrupt_at_any_moment_leaves_no_rank(tmp_path, delay):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = dict(os.environ, COURSE_LIB_TEST_TAG=_TAG, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([PY, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "go"
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+    deadline = time.monotonic() + 3.0
+    while _rank_procs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _rank_procs()
+    for p in left:
+        p.kill()
+    assert not left, f"{len(left)} processes left {delay} s after the interrupt"
+
+
+def test_interrupt_in_process_during_start_then_next_call_works():
+    import threading
+    launch.shutdown()
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        launch.run(_value, 1, world_size=3, fresh=True)
+    assert (3, "gloo") not in pool._POOLS
+    assert list(launch.run(_value, 1, world_size=3)) == [1, 1, 1]
+
+
+def _value(x):
+    return x
+
+
+def _slow_rank0(seconds):
+    import time
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def test_each_call_gets_its_own_timeout():
+    launch.run(_value, 0, world_size=2, timeout=2)  # a pool with a 2 s process-group timeout
+    assert list(launch.run(_slow_rank0, 3.0, world_size=2, timeout=30)) == [2.0, 2.0]
+
+
+def _skip_on_rank1():
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    if dist.get_rank() != 1:
+        dist.all_reduce(t)
+    return 0
+
+
+def test_hang_names_the_missing_rank_and_where_the_others_wait():
+    with pytest.raises(LaunchTimeout) as e:
+        launch.run(_skip_on_rank1, world_size=4, timeout=3)
+    msg = str(e.value)
+    assert "ranks 0,2,3 wait in all_reduce #2 (12 B); rank 1 never issued it" in msg, msg
+    assert e.value.rank == 1
+
+
+def _listening(pids):
+    """(addr, port) of every TCP listening socket held by these pids, from /proc/net/tcp{,6}."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                    addr, port = cols[1].split(":")
+                    found.append((addr, int(port, 16)))
+    return found
+
+
+def _listeners_during_call():
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return os.getpid()
+
+
+def test_nothing_listens_beyond_loopback():
+    pids = list(launch.run(_listeners_during_call, world_size=3, fresh=True)) + [os.getpid()]
+    pids += [c.pid for c in psutil.Process().children(recursive=True)]
+    found = _listening(set(pids))
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    public = [(a, p) for a, p in found if a not in loopback]
+    assert not public, f"listening beyond loopback: {public}"
+
+
+def test_world_size_beyond_the_machine_is_refused_naming_the_limit():
+    with pytest.raises(ValueError, match=r"world_size=1000 is more than this machine can run: at most \d+ ranks"):
+        launch.run(_value, 1, world_size=1000)
+
+
+def test_rank_lists_are_short():
+    assert pool.ranks_text([r for r in range(1000) if r != 7]) == "ranks 0–6,8–999"
+    assert pool.ranks_text([3]) == "rank 3"
+    assert len(pool.ranks_text(range(0, 1000, 2))) < 40
+
+
+def test_pickling_failures_name_the_piece():
+    import threading
+    with pytest.raises(TypeError, match=r"cannot send argument 0 \(lock\)"):
+        launch.run(_value, threading.Lock(), world_size=2)
+    with pytest.raises(RankError, match="the return value of fn on ranks 0,1 could not be sent back: lock"):
+        launch.run(lambda: threading.Lock(), world_size=2)
+
+
+def test_script_without_main_guard_is_named_in_one_line(tmp_path):
+    script = tmp_path / "noguard.py"
+    script.write_text("import course_lib\ncourse_lib.run(print, world_size=2)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    res = subprocess.run([PY, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert 'put the call under `if __name__ == "__main__":`' in last, res.stderr[-2000:]
+    assert res.stderr.count("calls course_lib.run() at import time") == 1
