@@ -18,6 +18,7 @@ from course_lib.checks import lab00
 from course_lib.maths import costs
 from course_lib.strategies import collectives
 from course_lib.checks import CheckFailed
+from course_lib.maths.costs import wire_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,11 +135,18 @@ def test_ring_check_says_not_implemented_for_the_stub(capsys):
     (lambda op, V, N: 2 * (N - 1) / N * V, "that is all-reduce's cost"),
     (lambda op, V, N: (2 if op == "all_reduce" else 1) * (N - 1) / N * V if N > 1 else V, "nothing leaves"),
     (lambda op, V, N: None, "return a number of bytes"),
-], ids=["one-phase-all-reduce", "whole-V-per-step", "one-step", "all-reduce-everywhere", "n1", "none"])
+    (lambda op, V, N: (N - 1) * V if op == "broadcast" else wire_bytes(op, V, N),
+     "what all ranks send together in the pipelined ring; the cost is per rank"),
+    (lambda op, V, N: V if op == "broadcast" and N > 1 else wire_bytes(op, V, N),
+     "only the root sends all of V"),
+], ids=["one-phase-all-reduce", "whole-V-per-step", "one-step", "all-reduce-everywhere", "n1", "none",
+        "broadcast-total-not-per-rank", "broadcast-root-only"])
 def test_ring_check_rejects_plausible_mistakes_with_the_reason(wrong, feedback):
     with pytest.raises(CheckFailed) as err:
         lab00.check_ring_bytes(wrong)
     assert str(err.value).startswith("❌ ring_bytes:") and feedback in str(err.value)
+    if "broadcast" in str(err.value).split("\n")[0]:      # a broadcast answer is not blamed on the ring all-gather
+        assert "ring steps sends one chunk" not in str(err.value) and "keeps (or already has)" not in str(err.value)
 
 
 # -- exercise 3: the same composition in JAX (subprocess: 8 simulated devices) -------------------------
@@ -155,6 +163,7 @@ JAX_SCRIPT = textwrap.dedent(r'''
         "psum": lambda b: jax.lax.psum(b, "x"),
         "no_gather": lambda b: jax.lax.psum_scatter(b, "x", tiled=True),
         "pmean": lambda b: jax.lax.all_gather(jax.lax.psum_scatter(b, "x", tiled=True), "x", tiled=True) / 8,
+        "untiled_gather": lambda b: jax.lax.all_gather(jax.lax.psum_scatter(b, "x", tiled=True), "x"),
     }
     def stub(b):
         raise NotImplementedError("Exercise not done yet: psum_scatter then all_gather")
@@ -188,8 +197,9 @@ def test_jax_check_passes_the_composition_and_waits_for_the_stub(jax_results):
 
 @pytest.mark.parametrize("name, feedback", [
     ("psum", "the compiled program issues ['all_reduce']"),
-    ("no_gather", "looks like one rank's shard; all-gather it first"),
+    ("no_gather", "the reduce-scatter's output was not all-gathered"),
     ("pmean", "you averaged twice"),
+    ("untiled_gather", "all_gather without tiled=True adds a new leading axis"),
 ])
 def test_jax_check_rejects_plausible_mistakes(jax_results, name, feedback):
     status, message = jax_results[0][name]

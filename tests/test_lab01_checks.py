@@ -102,6 +102,17 @@ def buckets_by_numel(params, cap_bytes):   # compared elements with a cap in byt
     return out + ([cur] if cur else [])
 
 
+def buckets_close_after_overflow(params, cap_bytes):   # adds the tensor first, then checks the cap
+    out, cur, size = [], [], 0
+    for p in reversed(list(params)):
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size > cap_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
 def buckets_drop_last(params, cap_bytes):  # forgot the last, partly filled bucket
     return dp.make_buckets(params, cap_bytes)[:-1]
 
@@ -122,6 +133,7 @@ def test_make_buckets_stub_is_not_implemented(capsys):
     (buckets_forward, "walk the parameters in reverse"),
     (buckets_by_numel, "exceeds cap_bytes"),
     (buckets_drop_last, "exactly one bucket"),
+    (buckets_close_after_overflow, "exceeds cap_bytes"),
 ])
 def test_make_buckets_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
@@ -148,6 +160,8 @@ JAX_SCRIPT = textwrap.dedent("""
     def vg_over_n(loss_fn, p, x, y):         # pmean of the loss, then an extra / N
         l, g = dp.jax_dp_value_and_grad(loss_fn, p, x, y)
         return l, jax.tree.map(lambda a: a / 4, g)
+    def vg_psum(loss_fn, p, x, y):           # psum of the loss: the SUM over devices, N x the mean
+        return jax.value_and_grad(lambda q: jax.lax.psum(loss_fn(q, x, y), "dp"))(p)
     def vg_stub(loss_fn, p, x, y):
         raise NotImplementedError("Exercise not done yet: grad of pmean(loss)")
     def key_same(key):
@@ -156,18 +170,20 @@ JAX_SCRIPT = textwrap.dedent("""
         return jax.random.fold_in(key, 0)
     def key_other(key):                      # differs per device, but not fold_in(key, index)
         return jax.random.fold_in(key, jax.lax.axis_index("dp") + 1)
+    def key_split(key):                      # split gives 4 keys, but every device takes the same one
+        return jax.random.split(key, 4)[0]
     def key_stub(key):
         raise NotImplementedError("Exercise not done yet: fold_in")
 
     out = {}
     for name, fn in [("vg_right", dp.jax_dp_value_and_grad), ("vg_textbook", vg_textbook),
-                     ("vg_local", vg_local), ("vg_over_n", vg_over_n), ("vg_stub", vg_stub)]:
+                     ("vg_local", vg_local), ("vg_over_n", vg_over_n), ("vg_psum", vg_psum), ("vg_stub", vg_stub)]:
         try:
             out[name] = ["ok" if lab01.check_jax_dp_value_and_grad(fn, mesh) else "todo", ""]
         except CheckFailed as e:
             out[name] = ["failed", str(e)]
     for name, fn in [("key_right", dp.jax_device_key), ("key_same", key_same), ("key_const", key_const),
-                     ("key_other", key_other), ("key_stub", key_stub)]:
+                     ("key_other", key_other), ("key_split", key_split), ("key_stub", key_stub)]:
         try:
             out[name] = ["ok" if lab01.check_jax_device_key(fn, mesh) else "todo", ""]
         except CheckFailed as e:
@@ -195,6 +211,8 @@ def jax_results():
     ("key_same", "failed", "drew the same mask"),
     ("key_const", "failed", "drew the same mask"),
     ("key_other", "failed", "use exactly that"),
+    ("vg_psum", "failed", "pmean, not psum"),
+    ("key_split", "failed", "drew the same mask"),
 ])
 def test_jax_checks(jax_results, name, status, says):
     got_status, text = jax_results[name]

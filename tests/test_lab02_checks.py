@@ -28,6 +28,15 @@ def no_dedup(tensors):                     # storage size, but every tensor coun
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
 
+def elements_not_bytes(tensors):           # one count per storage, in elements
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes() // t.element_size()
+    return total
+
+
 def test_storage_bytes_passes_the_reference_and_a_data_ptr_version(capsys):
     assert lab02.check_storage_bytes(memory_meter.storage_bytes) is True
 
@@ -53,6 +62,7 @@ def test_storage_bytes_stub_is_not_implemented(capsys):
     (sizes_of_tensors, "counts views twice and misses padding"),
     (dedup_but_view_size, "use the whole storage's nbytes()"),
     (no_dedup, "expected 52 bytes"),
+    (elements_not_bytes, "a count of elements"),
 ])
 def test_storage_bytes_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
@@ -120,6 +130,18 @@ def used_all_reduce(full_params, full_grads, shard_params, optimizer):
     all_gather_flat(shard_params.clone(), out=full_params)
 
 
+def skipped_the_copy(full_params, full_grads, shard_params, optimizer):   # gathers from a view of its output
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.comm.shim import all_gather_flat, reduce_scatter_flat
+    g = torch.empty_like(shard_params)
+    reduce_scatter_flat(full_grads, out=g)
+    shard_params.grad = g / dist.get_world_size()
+    optimizer.step()
+    all_gather_flat(shard_params, out=full_params)
+
+
 def test_sharded_step_passes_the_right_answer(capsys):
     assert lab02.check_sharded_step(right, world_size=4) is True
     assert "✅ sharded_step: on 4 ranks" in capsys.readouterr().out
@@ -139,6 +161,7 @@ def test_sharded_step_stub_is_not_implemented(capsys):
     (forgot_gather, "never updated: all-gather"),
     (local_slice, "collective was skipped"),
     (used_all_reduce, "ZeRO needs a reduce_scatter"),
+    (skipped_the_copy, "The input must not overlap the output"),
 ])
 def test_sharded_step_names_the_mistake(wrong, says):
     with pytest.raises(CheckFailed) as err:
@@ -175,6 +198,10 @@ def gather_own_shard_everywhere(full, shard):   # no communication: copies its o
     full.copy_(shard.repeat(dist.get_world_size()))
 
 
+def free_by_zeroing(full):                 # zeros the values; the bytes stay allocated
+    full.zero_()
+
+
 def stub_gather(full, shard):
     raise NotImplementedError("Exercise not done yet: resize the storage, then all-gather")
 
@@ -193,6 +220,7 @@ def test_gather_free_stub_is_not_implemented(capsys):
     (gather_into_new_tensor, free, "refill that one"),
     (gather, free_by_rebinding, "release it"),
     (gather_own_shard_everywhere, free, "model output after gather #1"),
+    (gather, free_by_zeroing, "release it"),
 ])
 def test_gather_free_names_the_mistake(g, f, says):
     with pytest.raises(CheckFailed) as err:

@@ -14,7 +14,31 @@ from course_lib import checks
 from course_lib.maths.costs import wire_bytes
 from course_lib.strategies.collectives import RING_OPS
 
-__all__ = ["check_all_reduce", "check_ring_bytes", "check_jax_all_reduce"]
+__all__ = ["check_all_reduce", "check_ring_bytes", "check_jax_all_reduce", "HINTS"]
+
+HINTS = {
+    "my_all_reduce": [
+        "An all-reduce is two halves: first every rank ends up with the SUM of one 1/N slice (reduce-scatter), "
+        "then every rank collects all N summed slices (all-gather).",
+        "The reduce-scatter's output is a shard of numel // N elements; divide that shard by N for mean=True "
+        "(once, not again after gathering); the all-gather's input is that shard, not x.",
+        "dist.reduce_scatter_tensor(shard, x) with shard = x.new_empty(x.numel() // N); then "
+        "dist.all_gather_into_tensor(out, shard) with out = torch.empty_like(x).",
+    ],
+    "ring_bytes": [
+        "In a ring, every step each rank sends one chunk of V/N to its neighbour; count the steps per phase.",
+        "All-gather and reduce-scatter take N-1 steps; all-reduce is both phases; a broadcast pipelines the "
+        "whole V through the ring once, which the course averages over the N ranks.",
+        "all_gather / reduce_scatter / broadcast: (N-1)/N·V; all_reduce: 2·(N-1)/N·V; N = 1 gives 0.",
+    ],
+    "jax_all_reduce": [
+        "Same two halves as the torch exercise, written as JAX collectives over the mesh axis inside shard_map.",
+        "Each device's output must have the same shape as its input block: the collectives must split and "
+        "concatenate along the existing axis, not add a new one.",
+        "jax.lax.psum_scatter(block, 'x', tiled=True), then jax.lax.all_gather(shard, 'x', tiled=True).",
+    ],
+}
+checks.register_hints(HINTS)
 
 
 # -- exercise 1: all-reduce = reduce-scatter + all-gather, in torch on ranks -------------------------
@@ -63,7 +87,8 @@ def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_a
     and is built from a reduce-scatter and an all-gather (read from the ledger)."""
     from course_lib.launch import run
 
-    with checks.check(name) as c:
+    with checks.check(name, tests=f"on {world_size} ranks, sum and mean=True equal dist.all_reduce, and the ledger "
+                             "shows one reduce-scatter then one all-gather (no all_reduce)") as c:
         result = run(_all_reduce_on_rank, fn, numel, world_size=world_size)
         n, x = world_size, [result[r]["x"] for r in range(world_size)]
         for r in range(n):
@@ -109,6 +134,17 @@ def _diagnose(fn, op, v, n, got, exp) -> str:
         "(N-1)/N·V": "all-reduce is reduce-scatter THEN all-gather: two phases of (N-1)/N·V",
         "2·(N-1)·V": "two phases, but each step sends V/N, not V",
     }
+    if op in ("broadcast", "reduce"):                 # rooted ops: the reasoning is not a ring all-gather's
+        why.update({
+            "(N-1)·V": "(N-1)·V is what all ranks send together in the pipelined ring; the cost is per rank, "
+                       "averaged over the N ranks",
+            "V": "only the root sends all of V (the last rank sends nothing); averaged over the N ranks it is "
+                 "(N-1)·V / N",
+            "V/N (one step only)": "a rooted op pipelines the whole V through N-1 hops, (N-1)·V in all; "
+                                   "per rank that is (N-1)·V / N",
+            "2·(N-1)/N·V": "that is all-reduce's cost; a " + op + " moves V once along the ring",
+            "2·(N-1)·V": "a " + op + " moves V once along the ring, not twice",
+        })
     for label, value in guesses.items():
         if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(exp, value, rel_tol=1e-9):
             return f"got = {label} → {why[label]}"
@@ -117,7 +153,7 @@ def _diagnose(fn, op, v, n, got, exp) -> str:
 
 def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
     """Exercise check: ``fn(op, V, N)`` equals :func:`course_lib.maths.costs.wire_bytes` for the ring ops."""
-    with checks.check(name) as c:
+    with checks.check(name, tests="the per-rank bytes of all four ring ops for N = 1, 2, 3, 4, 8 and several V") as c:
         for op, v, n in _CASES:
             got, exp = fn(op, v, n), wire_bytes(op, v, n)
             if got is None or not isinstance(got, (int, float, np.floating, np.integer)):
@@ -142,12 +178,22 @@ def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce"
     (axis,), n = mesh.axis_names, mesh.devices.size
     blocks = np.stack([np.random.default_rng(2000 + d).standard_normal(numel).astype(np.float32) + 10 * d
                        for d in range(n)])                     # (n, numel): device d's block
-    with checks.check(name) as c:
+    with checks.check(name, tests=f"on {n} devices each device returns its whole block summed over devices, same "
+                             "shape as its input, and the compiled program is one reduce-scatter + one all-gather") as c:
         x = jax.device_put(blocks.reshape(-1), NamedSharding(mesh, P(axis)))
         # out_specs P(axis): the result holds every device's output side by side, so each is checked
         f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False))
         got = np.asarray(f(x))
         ref = blocks.sum(axis=0)
+        if got.shape != (n * numel,):             # per device: out_specs P(axis) stacks along axis 0
+            per = (got.shape[0] // n,) + got.shape[1:] if got.ndim else got.shape
+            raise AssertionError(
+                f"each device returned shape {per}, but its input block is ({numel},): a device must return "
+                f"the whole reduced block, same shape as its input\n   likely mistake: "
+                + ("all_gather without tiled=True adds a new leading axis of size N instead of concatenating"
+                   if len(per) == 2 and per[0] == n else
+                   "a shard of 1/N of the block: the reduce-scatter's output was not all-gathered"
+                   if per == (numel // n,) else "compare each step's shape with the block's"))
         if got.size != n * numel:
             checks.assert_close(f"{name} (all devices side by side)", got, np.tile(ref, n), rtol=1e-5, atol=1e-4)
         per_device = got.reshape(n, numel)

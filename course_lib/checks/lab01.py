@@ -9,9 +9,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import checks as _checks
 from course_lib.strategies.dp import make_buckets
 
-__all__ = ["check_average_gradients", "check_make_buckets", "check_jax_dp_value_and_grad", "check_jax_device_key"]
+__all__ = ["check_average_gradients", "check_make_buckets", "check_jax_dp_value_and_grad", "check_jax_device_key",
+           "HINTS"]
+
+HINTS = {
+    "average_gradients": [
+        "Each rank holds the gradient of its own slice of the batch; the whole batch's gradient is the MEAN of "
+        "those N gradients, and every rank must end with the same one.",
+        "A sum over ranks is one collective, done in place on each p.grad; then scale by 1/N once. "
+        "Skip parameters without a gradient.",
+        "for p in model.parameters(): if p.grad is not None: dist.all_reduce(p.grad); p.grad /= dist.get_world_size()",
+    ],
+    "make_buckets": [
+        "Backward produces gradients last layer first, so buckets fill in reverse parameter order; a bucket is "
+        "sent when adding the next tensor would exceed the cap.",
+        "Measure a tensor in bytes (elements × bytes per element). A tensor bigger than the cap gets a bucket of "
+        "its own; never leave an empty bucket.",
+        "for p in reversed(list(params)): size = p.numel() * p.element_size(); if current and total + size > cap: "
+        "close current; append p",
+    ],
+    "dp_value_and_grad": [
+        "The whole batch's loss is the mean over devices of each device's loss; differentiate THAT, and the "
+        "gradient comes out averaged and identical everywhere.",
+        "Put the cross-device mean inside the function you differentiate, so autodiff inserts the collective "
+        "for you; averaging the gradient afterwards as well would divide twice.",
+        "jax.value_and_grad(lambda p: jax.lax.pmean(loss_fn(p, x, y), 'dp'))(params)",
+    ],
+    "device_key": [
+        "Every device gets the same key; derive a different one per device from something only that device knows.",
+        "The device's position along the mesh axis is known inside shard_map; mix it into the key "
+        "deterministically (no new randomness).",
+        "jax.random.fold_in(key, jax.lax.axis_index('dp'))",
+    ],
+}
 
 
 def _awkward_mlp() -> nn.Module:
@@ -52,7 +85,7 @@ def check_average_gradients(fn, world_size: int = 4, batch: int = 12, name: str 
     from course_lib import checks
     from course_lib.launch import run
     names = [n for n, _ in _awkward_mlp().named_parameters()]
-    with checks.check(name) as c:
+    with checks.check(name, tests='after one backward on 4 ranks, every gradient equals the whole-batch gradient (the mean over ranks, not the sum) on every rank') as c:
         res = run(_grads_on_rank, fn, batch, world_size=world_size)
         for r in range(world_size):
             if not res[r]["weights_same"]:
@@ -77,7 +110,7 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy)."""
     from course_lib import checks
     cases = [((10, 10, 30, 5), 64), ((17 * 257, 257, 5 * 257, 5), 4096), ((3, 4, 5), 10**6), ((8, 8, 8, 8), 32)]
-    with checks.check(name) as c:
+    with checks.check(name, tests='buckets in reverse parameter order, each at most cap_bytes (a bigger tensor alone), covering every parameter once') as c:
         for numels, cap in cases:
             ps = [torch.zeros(k, requires_grad=True) for k in numels]
             got = fn(ps, cap)
@@ -123,11 +156,15 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
     vma = ("   likely mistake: inside shard_map (check_vma=True) jax.grad already psums the gradient of a "
            "replicated parameter; pmean it again and you get N x the mean. Take the gradient of "
            "pmean(loss) instead")
-    with checks.check(name) as c:
+    with checks.check(name, tests="on 4 devices the loss and every gradient equal the whole batch's, identical on every device") as c:
         f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=P(axis)))
         loss, grads = f(params, x, y)
         ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x, y)
         for d in range(n):
+            if np.allclose(np.asarray(loss)[d], n * ref_loss, rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"loss on device {d} is {n}x the whole batch's loss\n   likely mistake: psum "
+                                     "SUMS the per-device losses (and so the gradients); the whole batch's loss is "
+                                     "their mean: pmean, not psum")
             checks.assert_close(f"loss on device {d}", np.asarray(loss)[d], ref_loss, rtol=1e-5, atol=1e-6,
                                 hint="return the loss of the whole batch: average the per-device losses")
             for k in ("w", "b"):
@@ -153,7 +190,7 @@ def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
     def masks(k):  # a dropout-style mask drawn on every device with its key
         return jax.random.bernoulli(fn(k), 0.5, (1, 64))
 
-    with checks.check(name) as c:
+    with checks.check(name, tests='every device gets a different key, the same call twice gives the same keys, and it depends on the key given') as c:
         got = np.asarray(jax.jit(jax.shard_map(masks, mesh=mesh, in_specs=P(), out_specs=P(axis)))(key))
         ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, d), 0.5, (64,))) for d in range(n)])
         if all((got[d] == got[0]).all() for d in range(n)):
@@ -164,3 +201,6 @@ def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
                                  f"jax.random.fold_in(key, jax.lax.axis_index({axis!r})); use exactly that")
         c.ok(f"{n} devices, {n} different masks, each from fold_in(key, axis_index)")
     return bool(c.passed)
+
+
+_checks.register_hints(HINTS)

@@ -13,10 +13,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course_lib import checks as _checks
 from course_lib.comm import torch_ledger
 from course_lib.strategies.zero import FlatUnit
 
-__all__ = ["check_storage_bytes", "check_sharded_step", "check_gather_free"]
+__all__ = ["check_storage_bytes", "check_sharded_step", "check_gather_free", "HINTS"]
+
+HINTS = {
+    "storage_bytes": [
+        "Memory is allocated per storage, not per tensor: several tensors can view one storage, a storage can "
+        "be bigger than the views (padding), and a freed storage holds 0 bytes.",
+        "Walk the tensors, skip None, and count each distinct storage once, identified by its address, at the "
+        "storage's own size.",
+        "s = t.untyped_storage(); if s.data_ptr() not in seen: seen.add(s.data_ptr()); total += s.nbytes()",
+    ],
+    "sharded_step": [
+        "ZeRO-1: each rank needs only the averaged gradient of ITS shard, updates only that shard, then everyone "
+        "collects the updated shards.",
+        "Reduce-scatter the full gradient into a new shard-sized buffer and divide by N; give it to the shard "
+        "as its .grad; step; all-gather. The shard is a view of full_params, so the all-gather must read from "
+        "a copy, never from memory it is writing.",
+        "g = torch.empty_like(shard_params); reduce_scatter_flat(full_grads, out=g); shard_params.grad = g / N; "
+        "optimizer.step(); all_gather_flat(shard_params.clone(), out=full_params)",
+    ],
+    "gather / free": [
+        "The parameters are views of one flat buffer; ZeRO-3 frees that buffer's memory between uses and "
+        "refills it when the layer is needed.",
+        "gather: give the storage back its full size, then all-gather every rank's shard into it (in rank "
+        "order). free: shrink the same storage to 0 bytes; never make a new tensor, the views would not see it.",
+        "gather: full.untyped_storage().resize_(full.numel() * full.element_size()); all_gather_flat(shard, "
+        "out=full). free: full.untyped_storage().resize_(0)",
+    ],
+}
 
 
 def _storage_cases() -> list[tuple[str, list, int]]:
@@ -39,7 +67,7 @@ def _storage_cases() -> list[tuple[str, list, int]]:
 def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
     """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
     from course_lib import checks
-    with checks.check(name) as c:
+    with checks.check(name, tests='each distinct storage counted once at its allocated size: views, a padded flat buffer, None, bfloat16 and a freed storage') as c:
         for what, tensors, expected in _storage_cases():
             got = fn(tensors)
             if got == expected:
@@ -49,6 +77,8 @@ def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
             if got == naive:
                 msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
                         "freed memory; count t.untyped_storage().nbytes() once per storage")
+            elif isinstance(got, int) and expected and got * 4 == expected and what != _storage_cases()[3][0]:
+                msg += ("\n   likely mistake: that is a count of elements; storage.nbytes() is already in bytes")
             elif expected and got and got < expected:
                 msg += "\n   likely mistake: a view's own size is not what was allocated: use the whole storage's nbytes()"
             raise AssertionError(msg)
@@ -81,9 +111,43 @@ def _sharded_step_on_rank(fn, lr: float = 1e-2) -> dict:
     nn.functional.mse_loss(model(x[rows]), y[rows]).backward()    # this rank's local gradient
     out.update(ref_full=flat(ref.parameters()), local_grad=flat([p.grad for p in model.parameters()]))
     torch_ledger.recorder().reset()
-    fn(unit.full, out["local_grad"].clone(), unit.shard, torch.optim.Adam([unit.shard], lr=lr))
-    out.update(grad_shard=unit.shard.grad, full=unit.full.clone(), ops=[x.op for x in torch_ledger.recorder().ledger()])
+    with _overlap_watch() as overlaps:
+        fn(unit.full, out["local_grad"].clone(), unit.shard, torch.optim.Adam([unit.shard], lr=lr))
+    out.update(grad_shard=unit.shard.grad, full=unit.full.clone(), ops=[x.op for x in torch_ledger.recorder().ledger()],
+               overlaps=overlaps)
     return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` share bytes of one storage (an all-gather reading what it overwrites)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+class _overlap_watch:
+    """Records every all-gather whose input overlaps its output (gloo happens to tolerate it; NCCL
+    reads a buffer it is writing, which is undefined). Wraps the shim's and torch.distributed's entry points."""
+    def __enter__(self) -> list:
+        from course_lib.comm import shim
+        self.found, self.saved = [], []
+        for mod, attr in ((shim, "ALL_GATHER"), (dist, "all_gather_into_tensor"), (dist, "all_gather_single")):
+            orig = getattr(mod, attr, None)
+            if orig is None:
+                continue
+
+            def wrapped(output, input, *a, _orig=orig, **k):
+                if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and _overlap(output, input):
+                    self.found.append(tuple(input.shape))
+                return _orig(output, input, *a, **k)
+            self.saved.append((mod, attr, orig))
+            setattr(mod, attr, wrapped)
+        return self.found
+
+    def __exit__(self, *exc) -> None:
+        for mod, attr, orig in self.saved:
+            setattr(mod, attr, orig)
 
 
 def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
@@ -95,7 +159,7 @@ def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> b
     from course_lib.launch import run
     summed = lambda g, e: (f"got is {world_size}× expected → you summed instead of averaging (forgot ÷{world_size})"  # noqa: E731
                            if np.allclose(g, world_size * e, rtol=1e-3, atol=1e-6) else None)  # loose: sum order
-    with checks.check(name) as c:
+    with checks.check(name, tests="on 4 ranks: each rank's gradient shard is the mean over ranks, full_params equals one-process Adam afterwards, the ledger shows a reduce-scatter and an all-gather (no all-reduce), and the all-gather's input does not overlap its output") as c:
         res = run(_sharded_step_on_rank, fn, world_size=world_size)
         S = res[0]["S"]
         for r, o in enumerate(res):
@@ -111,7 +175,17 @@ def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> b
                                      "the updated shards into full_params after optimizer.step()")
             checks.assert_close("full_params after the step", o["full"], o["ref_full"], rtol=1e-5, atol=1e-6, rank=r,
                                 hint=checks.not_updated(o["before"]))
+        bad = [r for r, o in enumerate(res) if o["overlaps"]]
+        if bad:
+            raise AssertionError(f"the numbers are right, but on ranks {bad} the all-gather's input (shard_params) is "
+                                 "a view of its output (full_params): the collective reads memory it is overwriting. "
+                                 "gloo happens to cope; NCCL does not. The input must not overlap the output: "
+                                 "gather from a copy of the shard")
         ops = res[0]["ops"]
+        if ops.count("all_reduce"):
+            raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: an all_reduce moves the whole "
+                                 "gradient to every rank; ZeRO needs a reduce_scatter (each rank keeps only its "
+                                 "shard of the gradient), then an all_gather of the updated shards")
         if sorted(set(ops)) != ["all_gather", "reduce_scatter"]:
             raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: ZeRO needs a reduce_scatter "
                                  "(each rank keeps only its shard of the gradient) and an all_gather")
@@ -138,7 +212,7 @@ def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / f
     into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
     from course_lib import checks
     from course_lib.launch import run
-    with checks.check(name) as c:
+    with checks.check(name, tests="twice in a row: after gather the parameters' storage is the full padded size and the model output is right; after free it is 0 bytes") as c:
         res = run(_gather_free_on_rank, gather, free, world_size=world_size)
         for (r, o), i in ((ro, i) for ro in enumerate(res) for i in range(2)):
             if o[f"gathered{i}"] != o["padded_bytes"]:
@@ -152,3 +226,6 @@ def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / f
                                      "bytes; release it: full.untyped_storage().resize_(0)")
         c.ok(f"gathered {res[0]['padded_bytes']:,} bytes, output matches, freed to 0 bytes, twice")
     return bool(c.passed)
+
+
+_checks.register_hints(HINTS)
