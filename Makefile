@@ -28,7 +28,9 @@ install: $(STAMP)
 # Containers often run as root, which Jupyter refuses without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
-	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1 $(ALLOW_ROOT)
+	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1 $(ALLOW_ROOT) \
+		--LabApp.app_settings_dir=course_lib/widgets/lab_settings --LabApp.news_url= \
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
 
 system-deps:
 	bash scripts/system-deps.sh
