@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,17 +94,24 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _field_help() -> dict[str, str]:
+    """Each field's ``#:`` comment in this file: the flags' help text comes from the one place it is written."""
+    src = Path(__file__).read_text()
+    return dict(re.findall(r"^    (\w+): [^#\n]*#: (.*)$", src, flags=re.M))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags both scripts share (``--d-model 66`` ... ``--resume``); ``world_size`` comes from the launcher."""
+    helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
         if f.name == "world_size":
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",):
-            p.add_argument(flag, action="store_true", help=f"(default off)")
+            p.add_argument(flag, action="store_true", help=helps.get(f.name, ""))
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
+            p.add_argument(flag, type=kind, default=f.default, help=f"{helps.get(f.name, '')} (default {f.default})")
     return p
 
 
