@@ -200,3 +200,15 @@ def test_step_seconds_counts_one_alpha_per_call():
     c = step_cost("fsdp", MODEL, 4)
     m = AlphaBeta(1e-4, 1e-9)
     assert m.step_seconds(c) == pytest.approx(9 * 1e-4 + c.wire_bytes * 1e-9)
+
+
+def test_regather_flags_drop_units_the_backward_never_gathers():
+    units = [[(17, 8)], [(8, 8), (8,)], [(5, 8), (5,)]]
+    every = costs.step_cost("fsdp", units, 4)
+    some = costs.step_cost("fsdp", units, 4, regather=[False, True, True])
+    ag_bwd = [o for o in some.ops if o.op == "all_gather" and o.phase == "backward"][0]
+    assert ag_bwd.count == 2
+    assert every.wire_bytes - some.wire_bytes == pytest.approx(3 / 4 * costs.padded_numel([units[0]], 4, "flat") * 4)
+    assert costs.step_cost("fsdp", units, 4, regather=[True] * 3).wire_bytes == every.wire_bytes
+    with pytest.raises(ValueError, match="regather has 2 flags for 3 units"):
+        costs.step_cost("fsdp", units, 4, regather=[True, True])

@@ -222,3 +222,42 @@ def test_units_must_be_submodules_that_own_parameters():
             raise AssertionError(f"accepted {units}")
         return True
     assert launch.run(bad, world_size=2) == [True, True]
+
+
+def _ledger_vs_formula(kind, prefetch):
+    """A model whose root unit autograd never saves (an embedding, or a first Linear fed raw data)."""
+    import torch
+    import torch.distributed as dist
+    from course_lib.comm import torch_ledger as lt
+    from course_lib.strategies.fsdp import FlatFSDP
+    torch.manual_seed(0)
+    if kind == "embedding_root":
+        body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+        model = torch.nn.Sequential(torch.nn.Embedding(17, 8), body)
+        units = [body]
+        x = torch.arange(6) % 17
+    else:  # first Linear fed raw data: its weight is not saved (the grad needs only the input)
+        first = torch.nn.Linear(7, 9)
+        model = torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(9, 5))
+        units = [first]
+        x = torch.randn(4, 7)
+    m = FlatFSDP(model, units, prefetch=prefetch)
+    lt.set_step(0)
+    m(x).square().mean().backward()
+    return m.unit_shapes(), m.regathers(), lt.recorder().ledger().filter(rank=dist.get_rank()).to_dicts()
+
+
+@pytest.mark.parametrize("kind", ["embedding_root", "first_linear_raw_input"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_ledger_equals_the_formula_on_models_with_units_that_need_no_regather(kind, prefetch):
+    from course_lib.comm.ledger import Ledger
+    out = launch.run(_ledger_vs_formula, kind, prefetch, world_size=N)
+    units, regathers, records = out[0]
+    led = Ledger.from_dicts(records)
+    never = 0 if kind == "embedding_root" else 1               # the embedding root / the first Linear
+    assert regathers == [i != never for i in range(len(units))]
+    full = costs.step_cost("fsdp", units, N, padding="flat")
+    exact = costs.step_cost("fsdp", units, N, padding="flat", regather=regathers)
+    assert costs.ledger_wire_bytes(led) == exact.wire_bytes    # exact, for any model
+    assert exact.wire_bytes < full.wire_bytes                  # the old every-unit formula overcounts
+    assert len(led.filter(op="all_gather", phase="backward")) == sum(regathers)

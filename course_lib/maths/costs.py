@@ -172,7 +172,7 @@ def _op(op, phase, group, count, payload) -> OpCost:
 
 def step_cost(strategy: str, units, n: int, *, param_bytes: int = 4, reduce_bytes: int = 4,
               padding: str = "flat", reshard_after_forward: bool = True, replicate: int = 1,
-              root_unit: int | None = None) -> StepCost:
+              root_unit: int | None = None, regather=None) -> StepCost:
     """Bytes one rank communicates in one training step, from the model description.
 
     ``units``: per-unit lists of parameter shapes (``[[(64, 32), (32,)], [(32, 10)]]``), or one list of
@@ -189,7 +189,9 @@ def step_cost(strategy: str, units, n: int, *, param_bytes: int = 4, reduce_byte
       "full sharding"). ``reshard_after_forward=False`` keeps parameters unsharded until backward:
       ``2(N-1)/N`` (FSDP's SHARD_GRAD_OP, i.e. ZeRO-2-like traffic). ``root_unit=i``: unit ``i`` is not resharded
       after forward even so -- FSDP2 does this to the root when ``reshard_after_forward`` is left at its
-      default, since its parameters would be all-gathered again at once.
+      default, since its parameters would be all-gathered again at once. ``regather``: per unit, whether
+      the backward gathers it again at all (None: every unit). A from-scratch FSDP re-gathers a unit only
+      when autograd saved one of its parameters; ``FlatFSDP.regathers()`` records which did.
     * ``"hsdp"`` -- ``replicate`` (R) x shard (F = N/R) mesh: all-gathers and reduce-scatter over F on
       ``Ψ`` padded to F, then an all-reduce over R of the gradient shard ``Ψpad/F`` (FSDP paper,
       "hybrid sharding", sharding factor F).
@@ -214,7 +216,10 @@ def step_cost(strategy: str, units, n: int, *, param_bytes: int = 4, reduce_byte
                _op("all_gather", "optimizer", n, k, pad * param_bytes))
         return StepCost(strategy, n, psi, pad, ops)
     # zero3 / fsdp / hsdp: which units must be gathered again in backward
-    regather = [i for i in range(k) if reshard_after_forward and i != root_unit]
+    if regather is not None and len(regather) != k:
+        raise ValueError(f"regather has {len(regather)} flags for {k} units: give one True/False per unit")
+    regather = [i for i in range(k) if reshard_after_forward and i != root_unit
+                and (regather is None or regather[i])]
     regather_elems = sum(padded_numel([units[i]], f, padding) for i in regather)
     ops = [_op("all_gather", "forward", f, k, pad * param_bytes)]
     if regather:

@@ -69,6 +69,7 @@ class FlatParameter:
             full = torch.cat([p.detach().reshape(-1) for *_, p in slots] + [pad])  # [padded numel]
             self.sharded = nn.Parameter(full[b.start:b.stop].clone())             # [padded / N]
         self.state, self.unsharded, self._pending = State.SHARDED, None, None
+        self.saved = False  # did autograd save one of its parameters in the last forward? (-> re-gather)
         self.timeline: list | None = None   # FlatFSDP's list of (unit, phase, start, end) compute spans
         self._t0 = 0.0
 
@@ -211,7 +212,7 @@ class FlatFSDP(nn.Module):
         """When the backward first needs the unit's parameters: all-gather them again."""
         flat.unshard()
         prev = self.next_unit(flat, backward=True)
-        if self.prefetch and prev is not None:
+        if self.prefetch and prev is not None and prev.saved:   # a unit autograd saved nothing of: no gather
             prev.unshard(async_op=True)   # backward runs the units in reverse
 
     def next_unit(self, flat: FlatParameter, backward: bool = False):
@@ -243,7 +244,10 @@ class FlatFSDP(nn.Module):
 
     def _pack(self, t: torch.Tensor):
         flat = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        return t if flat is None else _Saved(flat, t)
+        if flat is None:
+            return t
+        flat.saved = True
+        return _Saved(flat, t)
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
@@ -260,6 +264,8 @@ class FlatFSDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         rec = torch_ledger.recorder()
+        for flat in self.flats:
+            flat.saved = False
         with torch_ledger.phase(rec.phase or "forward"), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.module(*args, **kwargs)
@@ -279,6 +285,12 @@ class FlatFSDP(nn.Module):
     def unit_shapes(self) -> list[list[tuple[int, ...]]]:
         """Per unit, its parameters' shapes: the ``units`` argument of ``costs.step_cost``."""
         return [list(f.shapes) for f in self.flats]
+
+    def regathers(self) -> list[bool]:
+        """Per unit: will the backward gather it again? Only if autograd saved one of its parameters in
+        the last forward (an embedding saves indices, a first Linear fed raw data saves only its input):
+        the ``regather`` argument of ``costs.step_cost``."""
+        return [f.saved and self.reshard_after_forward for f in self.flats]
 
     def named_units(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """``{unit: {parameter name: shape}}`` in flat order, for ``ownership.describe_flat``."""
