@@ -203,3 +203,35 @@ def test_clock_offsets_line_up_ranks_on_collective_ends():
     assert [r["x0"] for r in rows if r["rank"] == 1] == pytest.approx([r["x0"] for r in rows if r["rank"] == 0])
     assert [r["start"] for r in rows if r["rank"] == 1][0] == pytest.approx(0.005)   # the record itself is untouched
     assert traffic_rows(led, align=False)[3]["x0"] == pytest.approx(0.005)
+
+
+def test_slices_list_and_table_follow_a_what_if_change():
+    wd = show_ownership({"w": (10, 3), "b": (3,)}, world_size=4, strategy="fsdp")
+    before_opts, before_table = list(wd.selected.options), wd.table_html.value
+    wd.strategy.value = "zero2"                       # flat units: the bars are now units, not tensors
+    names = [b.name for b in wd.spec.bars]
+    assert list(wd.selected.options) == names != before_opts
+    assert wd.selected.value in names and wd.table_html.value != before_table
+    wd.world.value = 3                                # the table speaks of the new world size
+    assert wd.spec.world_size == 3 and "rank 3" not in wd.table_html.value
+
+
+def test_svgs_scale_to_the_output_width_and_labels_are_cut_in_the_middle():
+    from course_lib.widgets.base import short_middle
+    svg = ownership_svg(what_if({"transformer.blocks.0.attention.qkv_projection.weight": (198, 66)},
+                                world_size=4, strategy="fsdp"))
+    head = svg[:svg.index(">")]
+    assert 'viewBox="0 0 ' in head and 'width="100%"' in head and "max-width:" in head
+    assert "(198, 66)" in svg                         # the shape is never cut
+    assert short_middle("x" * 50 + " (198, 66)", 30).endswith("(198, 66)")
+    rows = traffic_rows(Ledger([CollectiveRecord("all_gather", 64, "float32", 2, rank=r, start=0.0, end=0.1)
+                                for r in range(2)]))
+    assert 'width="100%"' in traffic_svg(rows)
+
+
+def test_ownership_figure_shows_every_parameter():
+    from course_lib.widgets import ownership_figure
+    spec = what_if({f"layer{i}.weight": (4, 3) for i in range(30)}, world_size=2, strategy="fsdp")
+    fig = ownership_figure(spec)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(labels) == 30 and labels[-1].startswith("layer29")

@@ -9,7 +9,7 @@ import colorsys
 import html
 import io
 
-__all__ = ["rank_color", "palette", "fmt_bytes", "figure_png", "StaticFallback", "PADDING_COLOR", "TABLE_CSS"]
+__all__ = ["short_middle", "svg_size", "rank_color", "palette", "fmt_bytes", "figure_png", "StaticFallback", "PADDING_COLOR", "TABLE_CSS"]
 
 
 _TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -43,6 +43,21 @@ def fmt_bytes(n: float) -> str:
 TABLE_CSS = ("<style>.cl-table{border-collapse:collapse;font-size:11px;margin:4px 0}"
              ".cl-table th,.cl-table td{padding:2px 9px;border-bottom:1px solid #e3e3e3;text-align:right}"
              ".cl-table th{border-bottom:1px solid #999}.cl-table td.l,.cl-table th.l{text-align:left}</style>")
+
+
+def short_middle(text: str, limit: int = 32) -> str:
+    """Cut a long label in the middle ("blocks.0.attn…(198, 66)"): its name's start and its shape stay whole."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    keep = limit - 1
+    return text[: keep - keep // 2] + "…" + text[len(text) - keep // 2:]
+
+
+def svg_size(width: float, height: float) -> str:
+    """Attributes that scale an SVG drawn ``width`` x ``height`` down to the output area (never up)."""
+    return (f'viewBox="0 0 {width:g} {height:g}" width="100%" preserveAspectRatio="xMinYMin meet" '
+            f'style="max-width:{width:g}px;height:auto"')
 
 
 def esc(s) -> str:

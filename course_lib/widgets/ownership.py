@@ -14,7 +14,8 @@ import ipywidgets as w
 
 from course_lib.maths.memory import PRECISIONS
 from course_lib.maths.ownership import OWNERSHIP_STRATEGIES, STATES, OwnershipSpec, owners_label, what_if
-from course_lib.widgets.base import PADDING_COLOR, TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color
+from course_lib.widgets.base import (PADDING_COLOR, TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color,
+                                     short_middle, svg_size)
 
 __all__ = ["ownership_rects", "member_starts", "ownership_svg", "memory_svg", "slice_table", "ownership_figure", "OwnershipWidget",
            "show_ownership"]
@@ -87,14 +88,14 @@ def ownership_svg(spec: OwnershipSpec, state: str = "params", rank: int | None =
     rects = ownership_rects(spec, state)
     bars = spec.bars[:max_bars]
     h = _ROW * len(bars) + 8
-    out = [f'<svg class="ownership-bars" xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _W + 10}" height="{h}" '
+    out = [f'<svg class="ownership-bars" xmlns="http://www.w3.org/2000/svg" {svg_size(_LABEL + _W + 10, h)} '
            'font-family="sans-serif" font-size="11"><defs><pattern id="pad" width="5" height="5" '
            'patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="5" height="5" fill="white"/>'
            f'<line x1="0" y1="0" x2="0" y2="5" stroke="{PADDING_COLOR}" stroke-width="3"/></pattern></defs>']
     for i, b in enumerate(bars):
         y = 4 + i * _ROW
         label = f"{b.name} {tuple(b.shape)}" if not b.members else f"{b.name} ({len(b.members)} tensors)"
-        out.append(f'<text x="{_LABEL - 6}" y="{y + 13}" text-anchor="end">{esc(label[:32])}</text>')
+        out.append(f'<text x="{_LABEL - 6}" y="{y + 13}" text-anchor="end">{esc(short_middle(label, 40))}</text>')
         for r in (r for r in rects if r["bar"] == b.name):
             dim = 1.0 if rank is None or rank in r["owners"] else 0.18
             out.append(_stripes(_LABEL + r["x0"] * _W, y, (r["x1"] - r["x0"]) * _W, _ROW - 6, r["owners"], r["colors"],
@@ -122,8 +123,8 @@ def memory_svg(spec: OwnershipSpec) -> str:
     mem = spec.memory()
     dp = sum(spec.numel * nb for nb in PRECISIONS[spec.precision])
     top = max([m.total for m in mem] + [dp, 1])
-    out = [f'<svg class="memory-bars" xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _W + 10}" '
-           f'height="{18 * len(mem) + 40}" font-family="sans-serif" font-size="11">']
+    out = [f'<svg class="memory-bars" xmlns="http://www.w3.org/2000/svg" {svg_size(_LABEL + _W + 10, 18 * len(mem) + 40)} '
+           'font-family="sans-serif" font-size="11">']
     for i, m in enumerate(mem):
         y, x = 4 + 18 * i, float(_LABEL)
         out.append(f'<text x="{_LABEL - 6}" y="{y + 11}" text-anchor="end">rank {m.rank}: {fmt_bytes(m.total)}</text>')
@@ -153,11 +154,11 @@ def slice_table(spec: OwnershipSpec, bar_name: str) -> str:
 
 
 # -- ownership: matplotlib (static view) -----------------------------------------------------------------
-def ownership_figure(spec: OwnershipSpec, state: str = "params", max_bars: int = 24):
-    """A matplotlib ``Figure`` of the same picture: the bars, and memory per rank."""
+def ownership_figure(spec: OwnershipSpec, state: str = "params", max_bars: int | None = None):
+    """A matplotlib ``Figure`` of the same picture: the bars (every one unless ``max_bars``), memory per rank."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-    bars = spec.bars[:max_bars]
+    bars = spec.bars if max_bars is None else spec.bars[:max_bars]
     fig = Figure(figsize=(10, 1.2 + 0.32 * len(bars) + 0.25 * len(spec.ranks)))
     gs = fig.add_gridspec(2, 1, height_ratios=[max(1, len(bars)), max(1, len(spec.ranks) * 0.8)])
     ax = fig.add_subplot(gs[0])
@@ -173,7 +174,7 @@ def ownership_figure(spec: OwnershipSpec, state: str = "params", max_bars: int =
     for y, b in enumerate(bars):
         for _, x in member_starts(b)[1:]:
             ax.plot([x, x], [y - 0.42, y + 0.42], color="black", linewidth=1.2)
-    ax.set_yticks(range(len(bars)), [f"{b.name} {tuple(b.shape)}"[:34] for b in bars], fontsize=8)
+    ax.set_yticks(range(len(bars)), [short_middle(f"{b.name} {tuple(b.shape)}", 44) for b in bars], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.set_xlabel("fraction of the padded buffer" + ("; black ticks: where each tensor of a unit starts"
@@ -260,6 +261,9 @@ class OwnershipWidget(StaticFallback, w.VBox):
                                        mesh_shape=(r, n // r) if strat == "hsdp" else None))
             keep = self.rank.value if self.rank.value in self.spec.ranks else self.ALL
             self.rank.options, self.rank.value = self._rank_options(self.spec), keep
+            names = [b.name for b in self.spec.bars]   # the "slices of" list follows the new units
+            sel = self.selected.value if self.selected.value in names else (names[0] if names else None)
+            self.selected.options, self.selected.value = names, sel
             self.status.value = ""
         except ValueError as e:
             self.status.value = f'<span style="color:#b00">{esc(e)}</span>'
@@ -277,8 +281,8 @@ class OwnershipWidget(StaticFallback, w.VBox):
         self.bars_html.value = head + _legend(list(s.ranks)) + (
             '<div style="max-height:480px;overflow:auto">' + ownership_svg(s, self.state.value, None if self.rank.value == self.ALL else self.rank.value) + "</div>")
         self.mem_html.value = "<div><b>Model-state bytes per rank</b></div>" + memory_svg(s)
-        if self.selected.value in [b.name for b in s.bars]:
-            self.table_html.value = slice_table(s, self.selected.value)
+        self.table_html.value = (slice_table(s, self.selected.value) if self.selected.value in [b.name for b in s.bars]
+                                 else "")
 
     def _static_text(self):
         return self.spec.summary()

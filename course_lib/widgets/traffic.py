@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from course_lib.maths.traffic import as_ledger, group_label, traffic_by_group, traffic_compare, traffic_rows, traffic_totals
-from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color
+from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color, svg_size
 
 __all__ = ["show_traffic", "traffic_svg", "traffic_figure", "traffic_text", "TrafficWidget", "PHASE_COLORS", "OP_SHORT",
            "group_label", "traffic_rows", "traffic_totals", "traffic_by_group", "traffic_compare"]
@@ -40,7 +40,7 @@ def traffic_svg(rows: list[dict], highlight: int | None = None) -> str:
     timed = any(r["start"] is not None for r in rows)
     sx = lambda x: _LBL + (x - lo) / span * _W  # noqa: E731
     h = _ROWH * len(ranks) + 26
-    out = [f'<svg class="traffic-timeline" xmlns="http://www.w3.org/2000/svg" width="{_LBL + _W + 10}" height="{h}" '
+    out = [f'<svg class="traffic-timeline" xmlns="http://www.w3.org/2000/svg" {svg_size(_LBL + _W + 10, h)} '
            'font-family="sans-serif" font-size="10">']
     for j, rk in enumerate(ranks):
         y = 4 + j * _ROWH
