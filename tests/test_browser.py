@@ -134,7 +134,7 @@ def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
     with sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=CHROMIUM,
                                                    headless=True, args=CHROMIUM_ARGS,
-                                                   viewport={"width": 1400, "height": 1000})
+                                                   viewport={"width": 1024, "height": 1000})
         try:
             page = ctx.new_page()
             page.set_default_timeout(WIDGETS_S * 1000)
