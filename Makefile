@@ -15,11 +15,13 @@ WHAT ?= launch
 
 .PHONY: lab test solutions labs doctor install bench clean system-deps
 
-$(STAMP): pyproject.toml
+# constraints.txt is the tested set (pip freeze of the venv the suite passed in): a fresh install
+# reproduces it instead of taking whatever the index serves that day.
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip $(PIP_FILTER)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_FILTER)
-	$(PY) -m pip install -q -e ".[test]" $(PIP_FILTER)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]" $(PIP_FILTER)
 	@touch $(STAMP)
 
 install: $(STAMP)

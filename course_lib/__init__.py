@@ -12,7 +12,8 @@ cycles and no private names borrowed across modules). Lowest first::
    6 strategies/  collectives, dp, zero, fsdp (from scratch), fsdp2, fsdp_jax, hsdp, hsdp_jax,
                   checkpoint (DCP app state, reshard, consolidate), checkpoint_manager (write then
                   commit, keep last K), checkpoint_jax (Orbax), resumable (exact resume),
-                  memory_meter (measured bytes), describe (ownership of real sharded models)
+                  memory_meter (measured bytes), describe (ownership of real sharded models),
+                  train_config (the training scripts' flags, checked before any rank trains)
    5 models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)
    4 launch/      pool (run a notebook function on N ranks), rank (the rank side), results
    3 maths/       strategy (which strategy shards what: the one table), sharding (padding), costs
@@ -23,8 +24,9 @@ cycles and no private names borrowed across modules). Lowest first::
    1 runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine)
 
 Top-level modules are entry points: this one (the public API below), ``__main__`` and the scripts
-run under torchrun (``torchrun_demo``). Vocabulary (sharded parameter, all-gather output, padding,
-unit, payload V) is defined once, in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
+run under torchrun or ``jax.distributed`` (``torchrun_demo``, ``train``, ``train_jax``). Vocabulary
+(sharded parameter, all-gather output, padding, unit, payload V) is defined once, in
+:mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 
 Importing this package imports neither torch's distributed machinery nor JAX, so a lab can set the
 number of simulated JAX devices after ``import course_lib``.

@@ -59,6 +59,28 @@ def test_torch_is_pinned_the_same_everywhere_and_inside_the_supported_range():
     assert Version(pin) in pyproject_deps()["torch"].specifier
 
 
+def constraints() -> dict[str, Version]:
+    """``{name: pinned version}`` from constraints.txt (the tested set)."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"constraints.txt pins exact versions, not {line!r}"
+            pins[req.name.lower()] = Version(spec.version)
+    return pins
+
+
+def test_constraints_pin_every_dependency_inside_pyproject_ranges_and_the_makefile_uses_them():
+    pins = constraints()
+    for name, req in pyproject_deps().items():
+        assert name in pins, f"constraints.txt does not pin {name}: regenerate it with pip freeze"
+        assert pins[name] in req.specifier, f"constraints.txt pins {name}=={pins[name]}, outside {req}"
+    assert pins["torch"] == Version(makefile_torch())
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+
+
 def test_makefile_keeps_its_targets():
     text = (ROOT / "Makefile").read_text()
     for target in ("lab", "test", "solutions", "labs", "doctor", "install", "bench", "clean"):
