@@ -1,7 +1,7 @@
 """The rank side of :mod:`course_lib.launch`: what runs inside each rank process.
 
-Each rank is forked from the fork server, joins the process group through the notebook's TCP store
-(with the ledger backend, so every collective is recorded), then serves calls from the notebook over
+Each rank is forked from the fork server, joins the process group through a file store in the pool's
+private temporary directory (no socket, no name lookup; with the ledger backend, so every collective is recorded), then serves calls from the notebook over
 its pipe: run a cloudpickled function, send back its result and this rank's ledger, or an error with
 the traceback. Output is sent over the same pipe, so the notebook prints it labelled by rank.
 """
