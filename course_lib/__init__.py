@@ -7,7 +7,8 @@ cycles and no private names borrowed across modules). Lowest first::
    9 bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP), step_time
                   (predicted vs measured step time), timeline (profiler trace: overlap), gpu_mfu,
                   two_node + two_node_worker (torchrun across two network namespaces)
-   8 widgets/     base, ownership (who owns which slice), traffic (what each collective moved)
+   8 widgets/     base, ownership (who owns which slice), traffic (what each collective moved),
+                  timeline_svg (the traffic timeline: boxes, labels, time axis)
    7 checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, lab00 ... labNN
    6 strategies/  collectives, dp, zero, fsdp (from scratch), fsdp2, fsdp_jax, hsdp, hsdp_jax,
                   checkpoint (DCP app state, reshard, consolidate), checkpoint_manager (write then

@@ -2,7 +2,9 @@
 
 Starts JupyterLab on a free localhost port (token auth, a temporary root dir holding
 ``tests/fixtures/widgets_browser.ipynb``), opens the notebook, runs every cell, asserts that both
-widgets rendered their SVG, changes a control in each and asserts the view changed. Screenshots go to
+widgets rendered their SVG, changes controls in each and asserts the view changed (the ownership widget's
+"slices of" list and table follow a what-if change of strategy and world size; the traffic timeline names
+every box and has time ticks). Screenshots go to
 ``test-artifacts/browser/`` (gitignored). Skipped where ``/usr/bin/chromium`` or Playwright is missing
 (``make system-deps`` installs chromium; never ``playwright install``, which downloads a browser).
 """
@@ -176,14 +178,44 @@ def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
             assert hover.startswith("wte: ranks 0,2 hold [0:48) = [0:6, 0:8] of (11, 8)"), hover
             page.locator(own).screenshot(path=str(ARTIFACTS / "02-ownership-hsdp-2x2.png"))
 
+            # the "slices of" list and its table follow each what-if change (never a stale table)
+            table_rows = f"{own} table.slice-table tr"
+            first_owners = page.locator(table_rows).nth(1).locator("td").first.inner_text()
+            assert first_owners.replace(" ", "") == "0,2", first_owners      # HSDP: a replicate pair per slice
+            _select(page, own, "strategy", "zero2")                            # flat units replace the tensors
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.ownership-widget .widget-dropdown select')].some("
+                "s => [...s.options].map(o => o.text).join() === 'unit0')")
+            sliced = page.locator(f"{own} .widget-dropdown:has(label:text-is('slices of')) select")
+            assert sliced.evaluate("s => [...s.options].map(o => o.text)") == ["unit0"]
+            assert page.locator(table_rows).count() == 1 + 4                  # header + one slice per rank
+            assert "wte[0:" in page.locator(f"{own} table.slice-table").inner_text()
+            readout = page.locator(f"{own} .widget-slider:has(label:text-is('world size')) .widget-readout")
+            readout.fill("3")
+            readout.press("Enter")
+            page.wait_for_function(
+                "() => document.querySelectorAll('.ownership-widget table.slice-table tr').length === 4")
+            assert "3 ranks" in page.locator(f"{own} .ownership-title").inner_text()
+            owners = page.locator(table_rows).evaluate_all("rs => rs.slice(1).map(r => r.cells[0].innerText.trim())")
+            assert owners == ["0", "1", "2"], owners
+            page.locator(own).screenshot(path=str(ARTIFACTS / "02b-ownership-zero2-3-table.png"))
+
             # traffic: 12 collectives (2 ranks x 2 steps x 3 ops); step 1 alone shows 6
             page.locator(traf).scroll_into_view_if_needed()
             page.locator(traf).screenshot(path=str(ARTIFACTS / "03-traffic-all-steps.png"))
             assert page.locator(f"{traf} g.collective").count() == 12
+            # every box named (short reduce-scatters too), ticks in ms, one collective number everywhere
+            assert page.locator(f"{traf} g.collective text.op-label").count() == 12
+            ticks = page.locator(f"{traf} text.tick-label").all_text_contents()   # SVG: no innerText
+            assert len(ticks) >= 2 and float(ticks[0]) >= 0 and ticks[-1].endswith(" ms"), ticks
+            assert "collective 1 of 12" in page.locator(f"{traf} .traffic-detail").inner_text()
+            assert "None" not in page.locator(traf).inner_text()
             assert "1.000" in page.locator(f"{traf} table.traffic-compare").inner_text()
             _select(page, traf, "step", "step 1")
             page.wait_for_function("() => document.querySelectorAll('.traffic-widget g.collective').length === 6")
             assert page.locator(f"{traf} g.collective[data-rank='1']").count() == 3
+            page.wait_for_function("() => document.querySelector('.traffic-widget .traffic-detail')"
+                                   ".innerText.includes('collective 1 of 6')")
             page.locator(traf).screenshot(path=str(ARTIFACTS / "04-traffic-step-1.png"))
             page.screenshot(path=str(ARTIFACTS / "05-notebook-after.png"), full_page=True)
         except Exception:

@@ -177,8 +177,8 @@ def test_traffic_widget_steps_through_the_run():
     wd = show_traffic(_ledger(), analytic=costs.step_cost("fsdp", [[(30,)]], 2), title="fsdp")
     assert wd.timeline.value.count('class="collective"') == 12
     wd.step.value = 1
-    assert wd.timeline.value.count('class="collective"') == 6 and wd.op.max == 5
-    wd.op.value = 4
+    assert wd.timeline.value.count('class="collective"') == 6 and wd.op.max == 6 and wd.op.value == 1
+    wd.op.value = 5             # collective 5 of 6 in run order: rank 0's backward reduce-scatter
     assert "stroke-width=\"2\"" in wd.timeline.value and "reduce_scatter" in wd.detail.value
     assert "1.000" in wd.compare.value
     data = wd._repr_mimebundle_()
@@ -235,3 +235,71 @@ def test_ownership_figure_shows_every_parameter():
     fig = ownership_figure(spec)
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert len(labels) == 30 and labels[-1].startswith("layer29")
+
+
+# -- traffic: legible, one number per collective, only what applies ---------------------------------------
+def _texts(svg: str, cls: str) -> list[str]:
+    return re.findall(rf'<text class="{cls}"[^>]*>([^<]*)</text>', svg)
+
+
+def _all_html(widget) -> str:
+    return "".join(getattr(c, "value", "") or "" for c in _descendants(widget) if isinstance(getattr(c, "value", None), str))
+
+
+def test_slider_number_is_the_collective_number_in_the_detail_line_and_the_hover():
+    wd = show_traffic(_ledger())
+    wd.step.value = 1           # ledger records 6..11; the slider counts 1..6 within the step
+    wd.op.value = 2
+    detail = wd.detail.value
+    assert "collective 2 of 6" in detail and not re.search(r"#\d", detail)
+    lit = re.search(r'<g class="collective"[^>]*data-k="(\d+)"><title>([^<]*)</title><rect[^>]*stroke-width="2"',
+                    wd.timeline.value)
+    assert lit and lit.group(1) == "2" and lit.group(2).startswith("collective 2 of 6: rank 1, step 1, forward")
+    titles = re.findall(r"<title>([^<]*)</title>", wd.timeline.value)
+    assert "rank 1, step 1, forward" in detail and not any(re.search(r"#\d", t) for t in titles)
+
+
+def test_time_axis_has_round_ticks_in_ms_from_zero():
+    recs = [CollectiveRecord("all_gather", 64, "float32", 2, r, (0, 1), None, t, t + 0.004)
+            for t in (0.003, 0.020, 0.041) for r in range(2)]
+    svg = traffic_svg(traffic_rows(Ledger(recs)))
+    assert _texts(svg, "tick-label") == ["0", "10", "20", "30", "40 ms"]
+    assert svg.count('<line class="tick"') == 5
+
+
+def test_a_short_reduce_scatter_is_drawn_wide_enough_and_named():
+    recs = [CollectiveRecord("all_gather", 4096, "float32", 2, 0, (0, 1), None, 0.0, 0.040, "forward", 0),
+            CollectiveRecord("reduce_scatter", 4096, "float32", 2, 0, (0, 1), None, 0.0401, 0.0402, "backward", 0),
+            CollectiveRecord("all_reduce", 16, "float32", 2, 0, (0, 1), None, 0.0403, 0.0404, "optimizer", 0),
+            CollectiveRecord("all_gather", 4096, "float32", 2, 0, (0, 1), None, 0.050, 0.090, "forward", 1)]
+    svg = traffic_svg(traffic_rows(Ledger(recs)))
+    groups = dict(re.findall(r'<g class="collective" data-op="(\w+)"[^>]*data-k="2">(.*?)</g>', svg))
+    rs = groups["reduce_scatter"]
+    assert float(re.search(r'<rect[^>]*\swidth="([\d.]+)"', rs).group(1)) >= 6
+    assert re.search(r'<text class="op-label"[^>]*>RS</text>', rs)
+    assert sorted(_texts(svg, "op-label")) == ["AG", "AG", "AR", "RS"]   # every box named, short ones above
+    ar_x = float(re.search(r'data-k="3">.*?<text class="op-label" x="([\d.]+)"', svg).group(1))
+    rs_x = float(re.search(r'<text class="op-label" x="([\d.]+)"', rs).group(1))
+    rs_y = float(re.search(r'<text class="op-label"[^>]*y="([\d.]+)"', rs).group(1))
+    ar_y = float(re.search(r'data-k="3">.*?<text class="op-label"[^>]*y="([\d.]+)"', svg).group(1))
+    assert abs(ar_x - rs_x) >= 14 or ar_y != rs_y                       # side by side labels do not overlap
+
+
+def test_controls_and_legend_entries_that_do_not_apply_are_hidden():
+    # no step numbers, no optimizer phase, one rank whose aligned clock starts before 0
+    recs = [CollectiveRecord("all_gather", 64, "float32", 2, 0, (0, 1), None, -0.002, 0.001, "forward"),
+            CollectiveRecord("reduce_scatter", 64, "float32", 2, 0, (0, 1), None, 0.004, 0.0041, "backward")]
+    wd = show_traffic(Ledger(recs))
+    shown = list(_descendants(wd))
+    assert wd.step not in shown and wd.rank not in shown and wd.op in shown
+    legend = wd.legend.value
+    assert "forward" in legend and "backward" in legend and "optimizer" not in legend and "no phase" not in legend
+    assert "AR" not in legend and "RS reduce-scatter" in legend
+    everything = _all_html(wd) + wd._repr_mimebundle_()["text/plain"]
+    assert "step None" not in everything and "None" not in re.sub(r"<[^>]*>", " ", everything)
+    text = re.sub(r"<[^>]*>", " ", wd.timeline.value)
+    assert not re.search(r"(?<![\w.])-\d", text), text          # no negative time anywhere
+    assert _texts(wd.timeline.value, "tick-label")[0] == "0"
+    assert "0.000 to 3.000 ms" in wd.timeline.value             # the early start is the origin
+    full = show_traffic(_ledger())                              # a run with steps still has its step control
+    assert full.step in list(_descendants(full)) and "no phase" not in full.legend.value

@@ -29,7 +29,8 @@ script. A notebook reopened without its kernel shows "model not found" as any ip
 
 Colours: one palette (:func:`rank_color`) for both widgets, so rank 2 is the same green everywhere.
 Modules: :mod:`course_lib.maths.ownership` / :mod:`course_lib.maths.traffic` build the data (plain Python, tested
-without a browser); ``widgets_ownership``, ``widgets_traffic`` and ``widgets_base`` draw it.
+without a browser); :mod:`~course_lib.widgets.ownership`, :mod:`~course_lib.widgets.traffic` (its timeline SVG in
+:mod:`~course_lib.widgets.timeline_svg`) and :mod:`~course_lib.widgets.base` draw it.
 """
 from __future__ import annotations
 

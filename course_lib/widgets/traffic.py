@@ -2,8 +2,8 @@
 totals per step and phase, and which mesh axis or group each collective used.
 
 The data comes from :mod:`course_lib.maths.traffic` (plain Python, tested without a browser);
-:class:`TrafficWidget` draws it (inline SVG in ipywidgets, hover a box for its
-record) and :func:`traffic_figure` is the static matplotlib view used where no widget frontend exists
+:class:`TrafficWidget` draws it (inline SVG from :mod:`course_lib.widgets.timeline_svg` in ipywidgets, hover a
+box for its record) and :func:`traffic_figure` is the static matplotlib view used where no widget frontend exists
 (see :mod:`course_lib.widgets`). Bytes: **payload** ``V`` is the ledger's; **wire** bytes are
 ``costs.wire_bytes`` of it (ring formulas, per rank). A torch ledger has one record per op per rank,
 each rank's clock starting at its own reset (so rows are not aligned to the microsecond); a JAX-HLO
@@ -14,74 +14,13 @@ from __future__ import annotations
 import ipywidgets as w
 
 from course_lib.maths.traffic import as_ledger, group_label, traffic_by_group, traffic_compare, traffic_rows, traffic_totals
-from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color, svg_size
+from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color
+from course_lib.widgets.timeline_svg import OP_SHORT, PHASE_COLORS, run_order, time_origin, traffic_svg
 
 __all__ = ["show_traffic", "traffic_svg", "traffic_figure", "traffic_text", "TrafficWidget", "PHASE_COLORS", "OP_SHORT",
            "group_label", "traffic_rows", "traffic_totals", "traffic_by_group", "traffic_compare"]
 
-PHASE_COLORS = {"forward": "#e3ecfa", "backward": "#fbe5e1", "optimizer": "#e2f3e4", None: "#f2f2f2"}
-OP_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC", "all_to_all": "A2A",
-            "collective_permute": "CP", "reduce": "R", "gather": "G", "scatter": "S", "send": "SD", "recv": "RV"}
 ALL = -1    # "every step" in the step control (None would read as "no selection")
-
-
-# -- drawing -------------------------------------------------------------------------------------------
-_LBL, _W, _ROWH = 120, 620, 30
-
-
-def traffic_svg(rows: list[dict], highlight: int | None = None) -> str:
-    """The timeline: one row per rank, a box per collective (rank colour, op initials), phase bands behind,
-    the gaps between boxes are compute (or waiting). Hover a box for its record."""
-    ranks = sorted({r["rank"] for r in rows})
-    if not rows:
-        return '<svg class="traffic-timeline" width="300" height="30"><text x="4" y="18">no collectives</text></svg>'
-    lo, hi = min(r["x0"] for r in rows), max(r["x1"] for r in rows)
-    span = (hi - lo) or 1.0
-    timed = any(r["start"] is not None for r in rows)
-    sx = lambda x: _LBL + (x - lo) / span * _W  # noqa: E731
-    h = _ROWH * len(ranks) + 26
-    out = [f'<svg class="traffic-timeline" xmlns="http://www.w3.org/2000/svg" {svg_size(_LBL + _W + 10, h)} '
-           'font-family="sans-serif" font-size="10">']
-    for j, rk in enumerate(ranks):
-        y = 4 + j * _ROWH
-        mine = [r for r in rows if r["rank"] == rk]
-        label = f"rank {rk}" if rk >= 0 else "all devices"
-        busy = sum(r["x1"] - r["x0"] for r in mine)
-        gaps = max(0.0, max(r["x1"] for r in mine) - min(r["x0"] for r in mine) - busy)
-        tip = (f"{len(mine)} collectives, {busy * 1e3:.3f} ms in collectives, {gaps * 1e3:.3f} ms between them "
-               "(compute or waiting)") if timed else f"{len(mine)} collectives in program order"
-        out.append(f'<text x="{_LBL - 6}" y="{y + 16}" text-anchor="end" fill="{rank_color(rk)}" '
-                   f'font-weight="bold">{label}<title>{tip}</title></text>')
-        out.append(f'<line x1="{_LBL}" y1="{y + 12}" x2="{_LBL + _W}" y2="{y + 12}" stroke="#ccc" stroke-dasharray="2 2">'
-                   "<title>gaps between collectives: compute (or waiting)</title></line>")
-        run = None  # phase bands: contiguous (step, phase) runs on this rank
-        for r in mine + [None]:
-            key = None if r is None else (r["step"], r["phase"])
-            if run and (r is None or key != run[0]):
-                x0, x1 = sx(run[1]), sx(run[2])
-                out.append(f'<rect class="phase-band" x="{x0:.1f}" y="{y - 2}" width="{max(x1 - x0, 1):.1f}" '
-                           f'height="{_ROWH - 4}" fill="{PHASE_COLORS.get(run[0][1], PHASE_COLORS[None])}">'
-                           f"<title>step {run[0][0]}, {run[0][1] or 'no phase'}</title></rect>")
-                run = None
-            if r is not None:
-                run = [key, r["x0"], r["x1"]] if run is None else [run[0], run[1], r["x1"]]
-        for r in mine:
-            x0, x1 = sx(r["x0"]), sx(r["x1"])
-            wd = max(x1 - x0, 3.0)
-            when = (f"{r['x0'] * 1e3:.3f} to {r['x1'] * 1e3:.3f} ms" + ("" if r["end"] is not None else " (end not recorded)")
-                    if r["start"] is not None else "no timing (compiled program)")
-            tip = (f"#{r['i']} rank {r['rank']} step {r['step']} {r['phase'] or ''}: {r['op']} {r['dtype']} "
-                   f"payload {r['payload']:,} B over {r['group_size']} ({r['group']}) -> {r['wire']:,.0f} wire B; {when}")
-            stroke = 'stroke="black" stroke-width="2"' if highlight == r["i"] else 'stroke="white"'
-            out.append(f'<g class="collective" data-op="{r["op"]}" data-rank="{r["rank"]}"><title>{esc(tip)}</title>'
-                       f'<rect x="{x0:.1f}" y="{y + 2}" width="{wd:.1f}" height="{_ROWH - 12}" fill="{rank_color(r["rank"])}" {stroke}/>')
-            if wd > 16:
-                out.append(f'<text x="{x0 + 2:.1f}" y="{y + 15}" fill="white">{OP_SHORT.get(r["op"], r["op"])}</text>')
-            out.append("</g>")
-    unit = (f"time, {lo * 1e3:.2f} to {hi * 1e3:.2f} ms (ranks' clocks aligned on the ends of their collectives)"
-            if timed else "program order (a compiled SPMD program: one row for all devices, no timings)")
-    out.append(f'<text x="{_LBL}" y="{h - 6}">{unit}</text></svg>')
-    return "".join(out)
 
 
 def _ratio_text(q) -> str:
@@ -109,7 +48,8 @@ def _totals_html(totals) -> str:
         cells = "".join(f'<td title="{totals[(st, p)]["count"]} calls, payload {totals[(st, p)]["payload"]:,} B">'
                         f'{fmt_bytes(totals[(st, p)]["wire"])}</td>' if (st, p) in totals else "<td></td>" for p in phases)
         tot = sum(totals[(st, p)]["wire"] for p in phases if (st, p) in totals)
-        body += f"<tr><td class=l>{'-' if st is None else st}</td>{cells}<td><b>{fmt_bytes(tot)}</b></td></tr>"
+        name = st if st is not None else ("whole run" if steps == [None] else "no step")
+        body += f"<tr><td class=l>{name}</td>{cells}<td><b>{fmt_bytes(tot)}</b></td></tr>"
     return (f'{TABLE_CSS}<table class="traffic-totals cl-table"><tr><th class=l>step</th>{head}<th>total</th></tr>'
             + body + "</table>")
 
@@ -121,11 +61,18 @@ def _groups_html(groups) -> str:
             "<th>calls</th><th>payload V</th><th>wire</th></tr>" + body + "</table>")
 
 
-def _phase_legend() -> str:
-    items = "".join(f'<span style="display:inline-block;margin-right:10px"><span style="display:inline-block;width:11px;'
-                    f'height:11px;background:{c};border:1px solid #ccc;margin-right:3px"></span>{p or "no phase"}</span>'
-                    for p, c in PHASE_COLORS.items())
-    return f'<div style="font-size:11px">phase (background): {items}box colour = rank; AG all-gather, RS reduce-scatter, AR all-reduce</div>'
+def _legend(led) -> str:
+    """The phases and ops this ledger has, and no others (no "optimizer" swatch for a run without one)."""
+    phases = {r.phase for r in led}
+    known = [p for p in PHASE_COLORS if p in phases and p is not None] + sorted(str(p) for p in phases - set(PHASE_COLORS))
+    if None in phases and known:
+        known.append(None)
+    items = "".join(f'<span class="legend-phase" style="display:inline-block;margin-right:10px"><span style="display:'
+                    f'inline-block;width:11px;height:11px;background:{PHASE_COLORS.get(p, PHASE_COLORS[None])};border:1px '
+                    f'solid #ccc;margin-right:3px"></span>{esc(p or "no phase")}</span>' for p in known)
+    ops = ", ".join(f"{OP_SHORT.get(o, o)} {o.replace('_', '-')}" for o in sorted({r.op for r in led}))
+    return (f'<div class="traffic-legend" style="font-size:12px">' + (f"phase (background): {items}" if known else "")
+            + f"box colour = rank; {ops}</div>")
 
 
 def traffic_text(ledger, analytic=None, title=None) -> str:
@@ -141,7 +88,7 @@ def traffic_text(ledger, analytic=None, title=None) -> str:
                      f"{r['measured']:>14,.0f}{a:>14}{q:>8}")
     lines.append("totals per step and phase (all ranks): step, phase, calls, payload, wire")
     for (s, p), t in sorted(traffic_totals(led).items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        lines.append(f"  {s!s:<5} {p or '-':<10} {t['count']:>4} {t['payload']:>12,} {t['wire']:>14,.0f}")
+        lines.append(f"  {'-' if s is None else s!s:<5} {p or '-':<10} {t['count']:>4} {t['payload']:>12,} {t['wire']:>14,.0f}")
     return "\n".join(lines)
 
 
@@ -152,12 +99,17 @@ def traffic_figure(ledger, analytic=None, title=None):
     ranks = sorted({r["rank"] for r in rows})
     fig = Figure(figsize=(10, 2.2 + 0.4 * len(ranks)))
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1.3]})
+    timed = any(r["start"] is not None for r in rows)
+    o, k = (time_origin(rows), 1e3) if timed else (0.0, 1.0)     # ms from the origin: never negative
+    span = max([(r["x1"] - o) * k for r in rows] + [1e-9])
     for j, rk in enumerate(ranks):
-        for r in (r for r in rows if r["rank"] == rk):
-            ax.broken_barh([(r["x0"], max(r["x1"] - r["x0"], 1e-9))], (j - 0.35, 0.7), color=rank_color(r["rank"]))
+        for r in (r for r in rows if r["rank"] == rk):      # at least 0.4% of the axis: short ops stay visible
+            ax.broken_barh([((r["x0"] - o) * k, max((r["x1"] - r["x0"]) * k, 0.004 * span))], (j - 0.35, 0.7),
+                           color=rank_color(r["rank"]))
     ax.set_yticks(range(len(ranks)), [f"rank {r}" if r >= 0 else "all devices" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds" if any(r["start"] is not None for r in rows) else "program order")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time (ms)" if timed else "program order")
     ax.set_title(title or "collectives per rank")
     cmp_ = traffic_compare(ledger, analytic)
     labels = [f"{(r['phase'] or '')[:3]} {OP_SHORT.get(r['op'], r['op'])}".strip() for r in cmp_]
@@ -173,51 +125,74 @@ def traffic_figure(ledger, analytic=None, title=None):
 
 
 class TrafficWidget(StaticFallback, w.VBox):
-    """Controls: step (all or one), rank whose bytes are compared, and a slider through the collectives."""
+    """Controls: step (all or one), rank whose bytes are compared, and a slider through the collectives in run
+    order ("collective k of n": the same k in the detail line and the box's hover text). A control that does
+    not apply to the ledger is not shown: no step control without two step numbers, no rank control for one
+    row."""
 
     def __init__(self, ledger, analytic=None, title=None):
         self.ledger, self.analytic, self.title = as_ledger(ledger), analytic, title
-        steps = sorted({r.step for r in self.ledger.filter() if r.step is not None})
+        self.steps = sorted({r.step for r in self.ledger.filter() if r.step is not None})
         ranks = self.ledger.ranks() or [-1]
-        self.step = w.Dropdown(options=[("all", ALL)] + [(f"step {s}", s) for s in steps], value=ALL, description="step")
+        all_rows = traffic_rows(self.ledger)
+        self.origin = time_origin(all_rows)   # one time origin for every step shown: times never negative
+        self.step = w.Dropdown(options=[("all", ALL)] + [(f"step {s}", s) for s in self.steps], value=ALL,
+                               description="step")
         self.rank = w.Dropdown(options=[(f"rank {r}" if r >= 0 else "all devices", r) for r in ranks], value=ranks[0],
                                description="bytes of")
-        self.op = w.IntSlider(value=0, min=0, max=max(0, len(traffic_rows(self.ledger)) - 1), description="collective #")
+        self.op = w.IntSlider(value=1, min=1, max=max(1, len(all_rows)), description="collective",
+                              disabled=len(all_rows) < 2)
+        self.op_of = w.Label(f"of {len(all_rows)} (run order)")
         self.timeline, self.detail, self.compare, self.totals = w.HTML(), w.HTML(), w.HTML(), w.HTML()
-        self.groups = w.HTML()
+        self.groups, self._busy = w.HTML(), False
+        self.legend = w.HTML(_legend(self.ledger.filter()))
         head = w.HTML(f"<b>{esc(title or 'Collective traffic')}</b> &mdash; one row per rank, one box per collective "
-                      "(hover it for its record); the gaps between boxes are compute (or waiting)." + _phase_legend())
-        super().__init__([head, w.HBox([self.step, self.rank]), self.op, self.timeline, self.detail,
-                          self.compare, w.HBox([self.totals, self.groups])])
+                      "(hover it for its record); the gaps between boxes are compute (or waiting).")
+        controls = [c for c, applies in ((self.step, len(self.steps) > 1), (self.rank, len(ranks) > 1)) if applies]
+        super().__init__([head, self.legend] + ([w.HBox(controls)] if controls else [])
+                         + [w.HBox([self.op, self.op_of]), self.timeline, self.detail, self.compare,
+                            w.HBox([self.totals, self.groups])])
         self.add_class("traffic-widget")
         for c in (self.step, self.rank, self.op):
             c.observe(self._redraw, names="value")
         self._redraw()
 
     def _redraw(self, change=None):
+        if self._busy:
+            return
         step = None if self.step.value == ALL else self.step.value
         rows = traffic_rows(self.ledger, step=step)
         if change is not None and change["owner"] is self.step:
-            self.op.max, self.op.value = max(0, len(rows) - 1), 0
-        seq = sorted(rows, key=lambda r: (r["x0"], r["rank"]))  # run order: aligned time, or program order
-        cur = seq[self.op.value] if seq and self.op.value < len(seq) else None
-        self.timeline.value = traffic_svg(rows, cur["i"] if cur else None)
+            self._busy = True
+            try:
+                self.op.value, self.op.max = 1, max(1, len(rows))
+                self.op.disabled, self.op_of.value = len(rows) < 2, f"of {len(rows)} (run order)"
+            finally:
+                self._busy = False
+        seq = run_order(rows)  # run order: aligned time, or program order
+        k = self.op.value
+        cur = seq[k - 1] if 0 < k <= len(seq) else None
+        self.timeline.value = traffic_svg(rows, cur["i"] if cur else None, origin=self.origin)
         if cur:
-            who = f'rank {cur["rank"]}' if cur["rank"] >= 0 else "all devices"
-            self.detail.value = (f'<div class="traffic-detail">#{cur["i"]}: {who}, step {cur["step"]}, '
-                                 f'{cur["phase"] or "no phase"}: <b>{cur["op"]}</b> of {cur["payload"]:,} B payload '
-                                 f'({cur["dtype"]}) over {cur["group_size"]} ranks on <b>{esc(cur["group"])}</b> '
-                                 f'= {cur["wire"]:,.0f} wire bytes</div>')
+            where = ", ".join(x for x in ("all devices" if cur["rank"] < 0 else f'rank {cur["rank"]}',
+                                          None if cur["step"] is None else f'step {cur["step"]}',
+                                          cur["phase"] or "no phase") if x)
+            self.detail.value = (f'<div class="traffic-detail"><b>collective {k} of {len(seq)}</b>: {where}: '
+                                 f'<b>{cur["op"]}</b> of {cur["payload"]:,} B payload ({cur["dtype"]}) over '
+                                 f'{cur["group_size"]} ranks on <b>{esc(cur["group"])}</b> = {cur["wire"]:,.0f} wire bytes'
+                                 "</div>")
+        else:
+            self.detail.value = '<div class="traffic-detail">no collectives</div>'
         cmp_ = traffic_compare(self.ledger, self.analytic, rank=self.rank.value, step=step)
-        n_steps = len(self.step.options) - 1
+        n_steps = len(self.steps)
         which = (f"in step {step}" if step is not None else
                  f"per step (mean of {n_steps})" if n_steps > 1 else "in the whole run")
         who = f"rank {self.rank.value}" if self.rank.value >= 0 else "every device"
         self.compare.value = (f"<div><b>Bytes sent by {who}, {which}: measured (ledger, ring formulas) against "
                               f"analytic (the model)</b></div>" + _compare_html(cmp_))
-        self.totals.value = ("<div><b>Wire bytes per step and phase, all ranks</b></div>"
-                             + _totals_html(traffic_totals(self.ledger)))
-        which_g = "all steps" if step is None else f"step {step}"
+        per = "per step and phase" if self.steps else "per phase"
+        self.totals.value = (f"<div><b>Wire bytes {per}, all ranks</b></div>" + _totals_html(traffic_totals(self.ledger)))
+        which_g = f"step {step}" if step is not None else ("all steps" if self.steps else "the whole run")
         self.groups.value = (f"<div style='margin-left:24px'><b>By mesh axis / group, {which_g}, all ranks</b></div>"
                              f"<div style='margin-left:24px'>{_groups_html(traffic_by_group(self.ledger, step=step))}</div>")
 
