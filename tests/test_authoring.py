@@ -216,6 +216,18 @@ def test_run_solutions_failure_names_cell_and_error_and_exits_nonzero(tmp_path, 
     assert "02_other" not in out and "0 ok, 1 failed" in out
 
 
+def test_run_solutions_write_refreshes_outputs_only_when_every_cell_ran(tmp_path, capsys):
+    write(tmp_path, "01_good.ipynb", notebook("print(6 * 7)"))
+    write(tmp_path, "02_bad.ipynb", notebook("print(6 * 7)", "raise ValueError('boom')"))
+    before = (tmp_path / "02_bad.ipynb").read_text()
+    assert main(["run-solutions", "--dir", str(tmp_path), "--timeout", "60", "--write"]) == 1
+    good = nbformat.read(tmp_path / "01_good.ipynb", as_version=4)
+    printed = [o.get("text", "") for c in good.cells if c.cell_type == "code" for o in c.outputs]
+    assert "42\n" in printed and all(c.execution_count for c in good.cells if c.cell_type == "code")
+    assert (tmp_path / "02_bad.ipynb").read_text() == before      # a failing run writes nothing
+    assert "1 ok, 1 failed" in capsys.readouterr().out
+
+
 def test_run_solutions_with_nothing_to_run_fails(tmp_path, capsys):
     assert main(["run-solutions", "--dir", str(tmp_path)]) == 1
     assert "nothing ran" in capsys.readouterr().err

@@ -151,6 +151,10 @@ def test_bytes_per_axis_and_memory_at_8(R, F):
     want = 16 * pad // F + 4 * n_params
     assert res[0][2] == want, (res[0][2], want)
     assert all(res[r][2] <= want for r in range(8)), [res[r][2] for r in range(8)]
+    # parity at 8 ranks too: the same losses as one process on the whole batch (2 steps, one update)
+    ref, _ = _one_process(2, torch.float32)
+    torch.testing.assert_close(torch.tensor(res[0][0]), torch.tensor(ref), rtol=1e-5, atol=1e-6,
+                               msg=f"HSDP {R}x{F} losses vs one process")
 
 
 def test_accumulation_without_all_reduce_matches_and_saves_bytes():

@@ -103,6 +103,18 @@ def test_each_call_gets_its_own_timeout():
     assert list(launch.run(_slow_rank0, 3.0, world_size=2, timeout=30)) == [2.0, 2.0]
 
 
+def test_a_slow_rank_is_named_not_the_one_that_noticed():
+    """Rank 0 computes past the call's timeout before its collective: the error blames rank 0 (slow),
+    not rank 1 (which noticed, waiting), and a later call with a longer timeout works on a fresh pool."""
+    launch.run(_value, 0, world_size=2, timeout=30)          # a pool with a long process-group timeout
+    with pytest.raises(LaunchTimeout) as e:
+        launch.run(_slow_rank0, 8.0, world_size=2, timeout=2)
+    msg = str(e.value)
+    assert "rank 1 waits in all_reduce #1 (12 B); rank 0 never issued it" in msg, msg
+    assert e.value.rank == 0
+    assert list(launch.run(_slow_rank0, 0.5, world_size=2, timeout=30)) == [2.0, 2.0]
+
+
 def _skip_on_rank1():
     import torch
     import torch.distributed as dist

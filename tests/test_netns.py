@@ -33,6 +33,11 @@ def test_available_says_why():
                                      or "refused" in why)
 
 
+def test_two_node_runs_can_be_turned_off_with_a_reason(monkeypatch):
+    monkeypatch.setenv("COURSE_LIB_TWO_NODE", "0")
+    assert netns.available() == (False, "turned off by COURSE_LIB_TWO_NODE=0")
+
+
 def test_build_count_and_remove():
     with netns.TwoNodes(rate_mbit=200) as net:
         a, b = net.nodes

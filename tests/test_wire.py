@@ -98,8 +98,10 @@ def test_measure_on_rank_rejects_sizes_that_do_not_split_evenly():
 
 def test_time_collectives_gives_one_time_per_size_per_op_and_a_nonnegative_fit():
     sweep = wire.time_collectives(sizes=(1024, 16 * 1024, 64 * 1024), ops=("all_reduce", "all_gather"),
-                                  world_size=2, repeats=1)
+                                  world_size=2, repeats=2)
     assert sweep.sizes == (1024, 16384, 65536) and sweep.world_size == 2
+    # the spread of the repeats (max/min of the slowest rank's times) is kept beside the medians
+    assert all(len(sweep.spread[op]) == 3 and all(r >= 1.0 for r in sweep.spread[op]) for op in sweep.seconds)
     for op in ("all_reduce", "all_gather"):
         assert len(sweep.seconds[op]) == 3 and all(t > 0 for t in sweep.seconds[op])
         fit = sweep.fit(op)

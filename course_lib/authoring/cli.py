@@ -62,7 +62,7 @@ def cmd_run_solutions(args) -> int:
     if not paths:
         print(f"no notebooks match {folder / args.pattern}: nothing ran", file=sys.stderr)
         return 1
-    results = authoring.run_all(paths, timeout=args.timeout)
+    results = authoring.run_all(paths, timeout=args.timeout, write=args.write)
     print(authoring.format_table(results))
     return 0 if all(r.ok for r in results) else 1
 
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=600, help="seconds per cell (default 600)")
     s.add_argument("--labs", action="store_true", help="run labs/ (as learners receive them)")
     s.add_argument("--dir", type=Path, default=None, help="run this folder instead")
+    s.add_argument("--write", action="store_true",
+                   help="save each notebook that ran without error, with its new outputs (then: make labs)")
     s.set_defaults(func=cmd_run_solutions)
 
     s = sub.add_parser("doctor", help="versions, devices and the backend a run would use")

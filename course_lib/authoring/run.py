@@ -79,8 +79,12 @@ def _kernel_manager_class(socket_dir: str):
     return CurrentEnvKernelManager
 
 
-def run_notebook(path: Path, timeout: float = 600) -> NotebookRun:
-    """Execute one notebook headless, cwd = its folder; never raises for a failing notebook."""
+def run_notebook(path: Path, timeout: float = 600, write: bool = False) -> NotebookRun:
+    """Execute one notebook headless, cwd = its folder; never raises for a failing notebook.
+
+    ``write``: when every cell ran, save the executed notebook over ``path`` (how a solution's stored
+    outputs, which nbval compares, are refreshed after a library change). A failing run writes nothing.
+    """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -101,6 +105,10 @@ def run_notebook(path: Path, timeout: float = 600) -> NotebookRun:
             on_cell_start=lambda cell, cell_index: current.update(index=cell_index))
         client.execute()
         status = "ok"
+        if write:
+            import nbformat
+            text = nbformat.writes(nb, version=4)
+            path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
     except CellExecutionError as exc:
         line = (exc.evalue or "").strip().splitlines()
         status = f"FAILED cells[{current['index']}]: {exc.ename}: {line[0] if line else ''}".rstrip(": ")
@@ -117,14 +125,14 @@ def run_notebook(path: Path, timeout: float = 600) -> NotebookRun:
     return NotebookRun(rel_path(path), status == "ok", status, seconds, backend, devices)
 
 
-def run_all(paths: list[Path], timeout: float = 600) -> list[NotebookRun]:
+def run_all(paths: list[Path], timeout: float = 600, write: bool = False) -> list[NotebookRun]:
     """Run notebooks one after another (they start rank processes: no parallelism here)."""
     from tqdm.auto import tqdm
     results = []
     bar = tqdm(paths, desc="notebooks", unit="nb", file=sys.stderr, dynamic_ncols=True)
     for path in bar:
         bar.set_postfix_str(Path(path).name)
-        results.append(run_notebook(path, timeout))
+        results.append(run_notebook(path, timeout, write))
     bar.close()
     sys.stderr.flush()
     return results

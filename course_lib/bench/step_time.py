@@ -40,19 +40,23 @@ def lab_cfg(width: int, layers: int = 2, seq_len: int = 64):
     return GPTConfig(vocab_size=67, seq_len=seq_len, d_model=width, n_heads=4, n_layers=layers, d_ff=4 * width)
 
 
+#: what :func:`measure` can run: the step model's strategies, plus Lab 02's ZeRO-1/2 (the frontier of Lab 08)
+MEASURABLE = step_model.STRATEGIES + ("zero1", "zero2")
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration to predict and measure."""
 
-    strategy: str        #: "dp", "fsdp" or "hsdp"
+    strategy: str        #: "dp", "fsdp" or "hsdp" (predicted and measured); "zero1", "zero2" (measured)
     world_size: int      #: N ranks
     batch: int           #: global batch, sequences (batch / N per rank)
     width: int           #: d_model of :func:`lab_cfg`
     replicate: int = 1   #: HSDP's R (mesh (R, N / R))
 
     def __post_init__(self):
-        if self.strategy not in step_model.STRATEGIES or self.batch % self.world_size:
-            raise ValueError(f"strategy={self.strategy!r} must be one of {step_model.STRATEGIES} and batch("
+        if self.strategy not in MEASURABLE or self.batch % self.world_size:
+            raise ValueError(f"strategy={self.strategy!r} must be one of {MEASURABLE} and batch("
                              f"{self.batch}) a multiple of world_size({self.world_size})")
 
     @property
@@ -95,8 +99,14 @@ def time_steps_on_rank(strategy: str, cfg, local_batch: int, steps: int, warmup:
     from course_lib.comm import torch_ledger as lt
     from course_lib.models import TokenTask, loss_fn
     torch.manual_seed(0)
-    model = _build(strategy, cfg, replicate)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if strategy in ("zero1", "zero2"):      # Lab 02's ZeRO: a local model, the sharded Adam steps it
+        from course_lib.models import torch_gpt
+        from course_lib.strategies.zero import ZeRO
+        model = torch_gpt(cfg, seed=0)
+        opt = ZeRO(model, int(strategy[-1]), units=[*model.blocks, model], lr=1e-3)
+    else:
+        model = _build(strategy, cfg, replicate)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     task, r = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0), dist.get_rank()
     x, y = (torch.from_numpy(a) for a in task.rank_batch(0, local_batch * dist.get_world_size(), r,
                                                           dist.get_world_size()))

@@ -239,12 +239,13 @@ def measure_wire(ops=OPS, nbytes: int = 4 * MiB, world_size: int = 4, repeats: i
 # -- the α-β sweep -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Sweep:
-    """Seconds per op (slowest rank, median over repeats) for every size, per op."""
+    """Seconds per op (slowest rank, median over repeats) for every size, per op, and their spread."""
 
     world_size: int
     sizes: tuple[int, ...]                  #: payloads V in bytes
     seconds: dict = field(default_factory=dict)   #: op -> tuple of seconds, one per size
     backend: str = "gloo"                   #: what the ranks ran on: "gloo" (CPU) or "nccl" (GPUs)
+    spread: dict = field(default_factory=dict)    #: op -> tuple of max/min over the repeats, per size
 
     def wire(self, op: str) -> list[float]:
         """Per-rank ring wire bytes of ``op`` at every size (the x of an α-β fit)."""
@@ -277,14 +278,15 @@ def time_collectives(sizes=DEFAULT_SIZES, ops=("all_reduce", "all_gather", "redu
 
     ops, sizes = tuple(ops), tuple(int(v) for v in sizes)
     result = run(_sweep_on_rank, ops, sizes, repeats, world_size=world_size, backend=backend, timeout=120)
-    seconds = {}
+    seconds, spread = {}, {}
     for op in ops:
-        per_size = []
+        per_size, ratios = [], []
         for v in sizes:
             slowest = [max(result[r][(op, v)][k] for r in range(world_size)) for k in range(repeats)]
             per_size.append(statistics.median(slowest))
-        seconds[op] = tuple(per_size)
-    return Sweep(world_size, sizes, seconds, result.backend)
+            ratios.append(max(slowest) / max(min(slowest), 1e-12))
+        seconds[op], spread[op] = tuple(per_size), tuple(ratios)
+    return Sweep(world_size, sizes, seconds, result.backend, spread)
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,8 @@ class _Pool:
         if not behind:
             return f"; all wait in {op} #{top} ({prog[3 * r0 + 2]} B)", missing[0]
         done = [r for r in behind if r not in missing]
-        text = (f": {ranks_text(ahead)} wait in {op} #{top} ({prog[3 * r0 + 2]} B); "
+        verb = "waits" if len(ahead) == 1 else "wait"
+        text = (f": {ranks_text(ahead)} {verb} in {op} #{top} ({prog[3 * r0 + 2]} B); "
                 f"{ranks_text(behind)} never issued it")
         if done:
             text += f" ({ranks_text(done)} returned without it)"

@@ -52,7 +52,12 @@ def _cap_net_admin() -> bool:
 
 
 def available() -> tuple[bool, str]:
-    """``(True, "")`` where two namespaces can be built here, else ``(False, reason in one line)``."""
+    """``(True, "")`` where two namespaces can be built here, else ``(False, reason in one line)``.
+
+    ``COURSE_LIB_TWO_NODE=0`` in the environment turns the two-node runs off (a test that already ran them
+    elsewhere, or a machine whose administrator says no), with that reason."""
+    if os.environ.get("COURSE_LIB_TWO_NODE", "1") == "0":
+        return False, "turned off by COURSE_LIB_TWO_NODE=0"
     if not sys.platform.startswith("linux"):
         return False, f"network namespaces are a Linux feature; this is {sys.platform}"
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]

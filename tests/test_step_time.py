@@ -1,0 +1,53 @@
+"""``python -m course_lib bench step-time``: the predicted-vs-measured table and what it can measure."""
+from types import SimpleNamespace as NS
+
+import pytest
+
+from course_lib.bench import step_time
+from course_lib.maths.costs import AlphaBeta
+
+
+def _pred(step_ms, compute_ms=10.0, gamma_ms=1.0):
+    s = step_ms / 1e3
+    return NS(step_s=s, compute_s=compute_ms / 1e3, framework_s=gamma_ms / 1e3,
+              comm_s=s - (compute_ms + gamma_ms) / 1e3)
+
+
+def _fake_run(pred_ms_per_round, meas_ms_per_round):
+    configs = [step_time.Config("dp", 4, 16, 128), step_time.Config("fsdp", 4, 16, 128)]
+    cal = NS(comm=NS(fits={("all_reduce", 4): AlphaBeta(2e-3, 1e-9)}), comm_spread={("all_reduce", 4): 1.5},
+             compute=NS(overhead_s=5e-3, flops_per_s=30e9), compute_points=[(1e9, 0.04, 1.2)],
+             per_collective_s=3e-3)
+    return {"configs": configs, "calibrations": {4: cal},
+            "predictions": [[_pred(p) for p in rnd] for rnd in pred_ms_per_round],
+            "measured": [[(m / 1e3, 1.1) for m in rnd] for rnd in meas_ms_per_round]}
+
+
+def test_table_prints_medians_over_rounds_the_worst_ratio_and_each_rounds_worst():
+    out = _fake_run([[40, 80], [44, 100], [36, 90]], [[40, 100], [40, 100], [40, 100]])
+    text = step_time.format_table(out)
+    assert "medians over 3 round(s)" in text
+    dp = next(line for line in text.splitlines() if line.startswith("dp N=4"))
+    assert "40.0ms" in dp and dp.split()[-1] == "1.00"                 # median 40 predicted / 40 measured
+    fsdp = next(line for line in text.splitlines() if line.startswith("fsdp N=4"))
+    assert "90.0ms" in fsdp and fsdp.split()[-1] == "0.90"
+    assert "worst ratio predicted/measured: 0.90 (within the ±25% goal)" in text
+    assert "worst of each round: 0.80, 1.10, 0.90" in text
+
+
+def test_table_says_outside_when_a_prediction_misses_by_more_than_a_quarter():
+    text = step_time.format_table(_fake_run([[40, 60]], [[40, 100]]))
+    assert "worst ratio predicted/measured: 0.60 (OUTSIDE the ±25% goal)" in text
+
+
+def test_config_names_what_it_accepts():
+    with pytest.raises(ValueError, match=r"strategy='zero3' must be one of .*'zero2'"):
+        step_time.Config("zero3", 4, 16, 128)
+    with pytest.raises(ValueError, match=r"batch\(6\) a multiple of world_size\(4\)"):
+        step_time.Config("fsdp", 4, 6, 128)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_zero_stages_are_measured_for_the_frontier(strategy):
+    median, spread = step_time.measure(step_time.Config(strategy, 2, 4, 32), steps=2)
+    assert 0 < median < 10 and spread >= 1.0
