@@ -60,6 +60,7 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
+    from course_lib.comm import torch_ledger as lt
     from course_lib.launch import rank_info
     from course_lib.models import TokenTask, TorchGPT, loss_fn, torch_init_
     from course_lib.strategies.fsdp2 import shard_gpt
@@ -87,7 +88,11 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
         0, local_batch * n, r, n))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    steps_done = [0]
+
     def step():
+        lt.set_step(steps_done[0])       # the ledger's step k: warm-up steps first, then the profiled ones
+        steps_done[0] += 1
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
