@@ -96,9 +96,30 @@ def spec_table(state, n: int | None = None, rule=fsdp_spec, **kw) -> str:
 
 # -- the automatic (jit) FSDP --------------------------------------------------------------------------
 def compile_options(mesh_or_devices) -> dict | None:
-    """:data:`CPU_FAST_COMPILE` when the devices are CPUs, else None (GPU/TPU keep their defaults)."""
+    """:data:`CPU_FAST_COMPILE` when the devices are CPUs, else None (GPU/TPU keep their defaults).
+
+    Only the options this jaxlib's XLA knows: XLA drops options as it moves on (jax 0.12 no longer has
+    ``xla_cpu_use_fusion_emitters``), and an unknown one fails every compile."""
     devs = getattr(mesh_or_devices, "devices", mesh_or_devices)
-    return CPU_FAST_COMPILE if np.asarray(devs).flat[0].platform == "cpu" else None
+    return _known_cpu_options() if np.asarray(devs).flat[0].platform == "cpu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _known_cpu_options() -> dict:
+    """The part of :data:`CPU_FAST_COMPILE` that this XLA accepts (one tiny compile per option, once)."""
+    import jax
+    import jax.numpy as jnp
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.ones(1))
+    known = {}
+    for key, value in CPU_FAST_COMPILE.items():
+        try:
+            lowered.compile(compiler_options={key: value})
+        except Exception as exc:  # XLA raises JaxRuntimeError("INVALID_ARGUMENT: No such compile option ...")
+            if "No such compile option" not in str(exc):
+                raise
+            continue
+        known[key] = value
+    return known
 
 
 def shard_model(model, mesh, rule=fsdp_spec, **kw):
