@@ -150,6 +150,16 @@ def test_traffic_compare_against_step_cost():
     assert {r["op"]: r["ratio"] for r in plain} == {"all_gather": 1.0, "reduce_scatter": 2.0}
 
 
+def test_unlabelled_forward_gathers_take_the_analytic_phase_they_lack():
+    """FSDP2's forward all-gathers carry no phase (only backward is detected): they must meet the analytic
+    forward row, not show as 'forward 0 bytes, ratio 0.000' beside an unexplained 'any' row."""
+    led = Ledger([r if r.phase != "forward" else dataclasses.replace(r, phase=None) for r in _ledger().records])
+    rows = traffic_compare(led, costs.step_cost("fsdp", [[(30,)]], 2))
+    by = {(r["phase"], r["op"]): r for r in rows}
+    assert set(by) == {("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")}
+    assert all(r["ratio"] == pytest.approx(1.0) for r in rows)
+
+
 def test_group_label_names_axis_world_or_ranks():
     rec = CollectiveRecord("all_gather", 8, "float32", 2, 0, (0, 2), "shard", 0.0, 0.1)
     assert group_label(rec, 4) == "shard"

@@ -149,6 +149,11 @@ def traffic_compare(ledger, analytic=None, *, rank=None, step=None) -> list[dict
         m["count"] += 1
         m["payload"] += r["payload"]
         m["wire"] += r["wire"]
+    if by_phase:  # an unlabelled op (FSDP2's forward gathers carry no phase) takes the one analytic phase it lacks
+        for _, op in [key for key in meas if key[0] is None]:
+            lacking = [p for p, o in ana if o == op and (p, op) not in meas]
+            if len(lacking) == 1:
+                meas[(lacking[0], op)] = meas.pop((None, op))
     if not by_phase:  # fold the analytic phases: compare per op only
         folded: dict = {}
         for (_, op), v in ana.items():
