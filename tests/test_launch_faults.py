@@ -103,6 +103,16 @@ def test_each_call_gets_its_own_timeout():
     assert list(launch.run(_slow_rank0, 3.0, world_size=2, timeout=30)) == [2.0, 2.0]
 
 
+def test_a_program_read_from_stdin_is_refused_in_one_line():
+    """``python - <<EOF`` has no file for the ranks to re-import: say so up front, not "ranks 0-3 exited"."""
+    code = "import course_lib\nprint(course_lib.run(lambda: 1, world_size=2))\n"
+    proc = subprocess.run([PY, "-"], input=code, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert proc.returncode == 1
+    assert "run() cannot start ranks from a program read from '<stdin>'" in proc.stderr, proc.stderr[-2000:]
+    assert "exited with code" not in proc.stderr
+
+
 def test_a_slow_rank_is_named_not_the_one_that_noticed():
     """Rank 0 computes past the call's timeout before its collective: the error blames rank 0 (slow),
     not rank 1 (which noticed, waiting), and a later call with a longer timeout works on a fresh pool."""

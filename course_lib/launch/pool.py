@@ -376,6 +376,12 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
     if mp.current_process().name.startswith("course_lib-rank"):
         # We are a rank re-importing a script whose run() call is not under a __main__ guard.
         os._exit(MAIN_GUARD_EXIT)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.exists(main_file) and not _under_torchrun():
+        # Each rank re-imports the main script by its path (multiprocessing's rule): `python - <<EOF` has none.
+        raise RuntimeError(f"run() cannot start ranks from a program read from {main_file!r}: every rank re-imports "
+                           "the main script from its file. Save the code to a file (the run() call under "
+                           "`if __name__ == \"__main__\":`) and run `python file.py`, or run it in a notebook")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int (2-8 ranks suit this machine)")
     limit = max_world_size()
