@@ -112,7 +112,8 @@ def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
 
 def check_step_seconds(fn, name: str = "step_seconds") -> bool:
     """``fn(strategy, cost, flops, compute, comm, gamma)`` returns the model's step time in seconds."""
-    with checks.check(name) as c:
+    with checks.check(name, tests="DP, FSDP, HSDP 2x2 and FSDP on 2 ranks, with fixed calibration numbers: your "
+                                  "seconds against the course's model, and each classic omission named") as c:
         for strategy, n, batch, width, r in _EX1_CASES:
             pred = _ex1_inputs(strategy, n, batch, width, r)
             args = (strategy, pred.cost, pred.flops, REFERENCE_CAL["compute"], REFERENCE_CAL["comm"],
@@ -159,7 +160,8 @@ def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointi
 
 def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
     """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
-    with checks.check(name) as c:
+    with checks.check(name, tests="four model x cluster cases: the smallest batch per GPU at which the planner says "
+                                  "compute time covers the traffic") as c:
         rows = []
         for model, cluster, strategy, seq, ac in _EX2_CASES:
             want, got = reference_compute_bound_batch(model, cluster, strategy, seq, ac), fn(model, cluster, strategy, seq, ac)
@@ -208,7 +210,8 @@ def reference_plan_70b(cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> dict:
 def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> bool:
     """``answer`` (a dict, or a function returning one): strategy, batch, checkpointing, replicate and your own
     estimate ``memory_bytes`` of one GPU's memory. It must fit ``budget`` and the estimate must be right."""
-    with checks.check(name) as c:
+    with checks.check(name, tests="the planner prices your plan (activations included) within the memory budget, "
+                                  "and your own estimate of one GPU's memory is within 10% of the planner's") as c:
         a = answer() if callable(answer) else answer
         if not isinstance(a, dict) or set(a) != set(_KEYS):
             raise AssertionError(f"return a dict with exactly the keys {_KEYS}, got {a!r}")
