@@ -33,7 +33,7 @@ from pathlib import Path
 
 import nbformat
 
-__all__ = ["LAB_GLOB", "DEFAULT_HINT", "STUB_COMMENT", "MARKDOWN_STUB", "AuthoringError", "transform_source", "make_lab", "lab_text", "read_notebook",
+__all__ = ["LAB_GLOB", "DEFAULT_HINT", "STUB_COMMENT", "MARKDOWN_STUB", "AuthoringError", "transform_source", "make_lab", "lab_text", "notebook_text", "read_notebook",
            "rel_path", "plan_labs", "write_labs", "stale_labs"]
 
 
@@ -142,8 +142,12 @@ def make_lab(nb: nbformat.NotebookNode, where: str = "<notebook>") -> nbformat.N
 
 def lab_text(solution: Path) -> str:
     """The exact text ``labs/<name>`` must contain for this solution."""
-    lab = make_lab(read_notebook(solution), where=rel_path(solution))
-    text = nbformat.writes(lab, version=4)
+    return notebook_text(make_lab(read_notebook(solution), where=rel_path(solution)))
+
+
+def notebook_text(nb: nbformat.NotebookNode) -> str:
+    """A notebook as the course stores it: nbformat v4 JSON ending in a newline."""
+    text = nbformat.writes(nb, version=4)
     return text if text.endswith("\n") else text + "\n"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import re
 
-from course_lib.authoring.labs import read_notebook, rel_path
+from course_lib.authoring.labs import notebook_text, read_notebook, rel_path
 from course_lib.runtime.devices import BANNER_PREFIX
 
 __all__ = ["NotebookRun", "parse_banner", "run_notebook", "run_all", "format_table"]
@@ -106,9 +106,7 @@ def run_notebook(path: Path, timeout: float = 600, write: bool = False) -> Noteb
         client.execute()
         status = "ok"
         if write:
-            import nbformat
-            text = nbformat.writes(nb, version=4)
-            path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+            path.write_text(notebook_text(nb), encoding="utf-8")
     except CellExecutionError as exc:
         line = (exc.evalue or "").strip().splitlines()
         status = f"FAILED cells[{current['index']}]: {exc.ename}: {line[0] if line else ''}".rstrip(": ")

@@ -88,25 +88,22 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
         0, local_batch * n, r, n))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    steps_done = [0]
-
-    def step():
-        lt.set_step(steps_done[0])       # the ledger's step k: warm-up steps first, then the profiled ones
-        steps_done[0] += 1
+    def step(k):
+        lt.set_step(k)                   # the ledger's step k: warm-up steps first, then the profiled ones
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
-    for _ in range(warmup):
-        step()
+    for k in range(warmup):
+        step(k)
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     prof = profile(activities=acts)
     with _quiet():                      # kineto prints a line at every start and stop, straight to the fds
         prof.__enter__()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
+    for k in range(warmup, warmup + steps):
+        step(k)
     sync()
     wall = (time.perf_counter() - t0) / steps
     with _quiet():
