@@ -72,14 +72,31 @@ def test_interrupt_at_any_moment_leaves_no_rank(tmp_path, delay):
     assert not left, f"{len(left)} processes left {delay} s after the interrupt"
 
 
-def test_interrupt_in_process_during_start_then_next_call_works():
-    import threading
+def test_interrupt_in_process_during_start_then_next_call_works(monkeypatch):
+    """Ctrl-C lands while the ranks are starting (forked, not yet ready): the half-started pool is
+    killed, no rank is left, and the next call starts a fresh pool. The interrupt is sent from inside
+    the start itself, so it lands there however fast this machine starts ranks (a timer could fire
+    after the start had finished, and interrupt pytest instead)."""
     launch.shutdown()
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    started = []
+    real_collect = pool._Pool._collect
+
+    def interrupted_collect(self, is_final, timeout_s, what):
+        if what == "start":
+            started.extend(self.procs)
+            os.kill(os.getpid(), signal.SIGINT)   # Python raises KeyboardInterrupt at the next bytecode
+            time.sleep(5)                         # not reached: the interrupt lands first
+        return real_collect(self, is_final, timeout_s, what)
+
+    monkeypatch.setattr(pool._Pool, "_collect", interrupted_collect)
     with pytest.raises(KeyboardInterrupt):
         launch.run(_value, 1, world_size=3, fresh=True)
+    monkeypatch.setattr(pool._Pool, "_collect", real_collect)
+    assert len(started) == 3
     assert (3, "gloo") not in pool._POOLS
+    for p in started:
+        p.join(5)
+    assert not [p for p in started if p.is_alive()], "a rank of the interrupted start is still alive"
     assert list(launch.run(_value, 1, world_size=3)) == [1, 1, 1]
 
 
