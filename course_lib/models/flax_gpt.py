@@ -27,6 +27,17 @@ def _flax() -> types.SimpleNamespace:
     import jax.numpy as jnp
     from flax import nnx
 
+    @jax.custom_jvp
+    def erf(x):
+        return jax.lax.erf(x)
+    # d/dx erf(x) = 2/sqrt(pi) exp(-x^2), given here because jax 0.12's own derivative of erf fails
+    # inside jax.shard_map ("Primitive polynomial requires varying manual axes to match", a JAX bug).
+    erf.defjvp(lambda primals, tangents: (erf(primals[0]),
+                                          tangents[0] * (2 / math.sqrt(math.pi)) * jnp.exp(-jnp.square(primals[0]))))
+
+    def gelu(x):  # exact GELU, written as torch writes F.gelu: x/2 (1 + erf(x/sqrt 2))
+        return 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
+
     def layer_norm(cfg, rngs):  # two-pass variance, as torch computes it (Flax's default is E[x²] − E[x]²)
         return nnx.LayerNorm(cfg.d_model, epsilon=LN_EPS, use_fast_variance=False, rngs=rngs)
 
@@ -52,7 +63,7 @@ def _flax() -> types.SimpleNamespace:
             self.drop = nnx.Dropout(cfg.dropout)
 
         def __call__(self, x, rngs=None):
-            return self.drop(self.proj(jax.nn.gelu(self.fc(x), approximate=False)), rngs=rngs)  # exact, like F.gelu
+            return self.drop(self.proj(gelu(self.fc(x))), rngs=rngs)
 
     class FlaxBlock(nnx.Module):
         def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
