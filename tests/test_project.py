@@ -177,3 +177,18 @@ def test_nbval_config_compares_a_solution_and_runs_its_lab(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert re.search(r"\b10 passed\b", result.stdout), result.stdout[-2000:]
+
+
+def test_labs_kernels_skip_the_two_node_runs_that_solutions_run(monkeypatch):
+    """The root conftest turns Lab 06's two-node runs off for labs/ items only (solutions/ and
+    tests/test_netns.py run them), and puts the caller's setting back for every other item."""
+    import importlib.util
+    from types import SimpleNamespace
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("COURSE_LIB_TWO_NODE", raising=False)
+    spec.loader.exec_module(conftest)
+    conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "labs" / "06_hybrid_sharding.ipynb"))
+    assert os.environ["COURSE_LIB_TWO_NODE"] == "0"
+    conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "solutions" / "06_hybrid_sharding.ipynb"))
+    assert "COURSE_LIB_TWO_NODE" not in os.environ
