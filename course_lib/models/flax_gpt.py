@@ -30,10 +30,13 @@ def _flax() -> types.SimpleNamespace:
     @jax.custom_jvp
     def erf(x):
         return jax.lax.erf(x)
-    # d/dx erf(x) = 2/sqrt(pi) exp(-x^2), given here because jax 0.12's own derivative of erf fails
-    # inside jax.shard_map ("Primitive polynomial requires varying manual axes to match", a JAX bug).
-    erf.defjvp(lambda primals, tangents: (erf(primals[0]),
-                                          tangents[0] * (2 / math.sqrt(math.pi)) * jnp.exp(-jnp.square(primals[0]))))
+
+    @erf.defjvp
+    def _erf_jvp(primals, tangents):
+        # d/dx erf(x) = 2/sqrt(pi) exp(-x^2), written here because jax 0.12's own derivative of erf fails
+        # inside jax.shard_map ("Primitive polynomial requires varying manual axes to match", a JAX bug).
+        (x,), (dx,) = primals, tangents
+        return erf(x), dx * (2 / math.sqrt(math.pi)) * jnp.exp(-jnp.square(x))
 
     def gelu(x):  # exact GELU, written as torch writes F.gelu: x/2 (1 + erf(x/sqrt 2))
         return 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
