@@ -10,6 +10,9 @@ from course_lib import launch
 from course_lib.launch import pool
 from course_lib.launch import LaunchTimeout, RankError
 
+# Runs alone under `make test`'s two workers (root conftest.py): deadlines of a few seconds and start-up times.
+pytestmark = pytest.mark.serial
+
 
 def _rank_sum(x):
     import torch

@@ -192,3 +192,62 @@ def test_labs_kernels_skip_the_two_node_runs_that_solutions_run(monkeypatch):
     assert os.environ["COURSE_LIB_TWO_NODE"] == "0"
     conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "solutions" / "06_hybrid_sharding.ipynb"))
     assert "COURSE_LIB_TWO_NODE" not in os.environ
+
+
+def _root_conftest():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("root_conftest_lock", ROOT / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest
+
+
+def test_a_serial_item_runs_alone_and_is_not_starved(tmp_path):
+    """The lock `make test`'s two workers share: a serial holder waits for the shared holders to leave,
+    and while it waits, no new shared holder gets in ahead of it."""
+    import threading
+    lock = _root_conftest().SerialLock
+    base = tmp_path / "lock"
+    order, release = [], {k: threading.Event() for k in ("first", "serial", "late")}
+
+    def holder(name, alone, started):
+        with lock(base).hold(alone=alone):      # a lock per holder: flock is per open file, as per worker
+            order.append(name)
+            started.set()
+            release[name].wait(10)
+
+    started = {k: threading.Event() for k in release}
+    threads = {"first": threading.Thread(target=holder, args=("first", False, started["first"]))}
+    threads["first"].start()
+    assert started["first"].wait(5)
+    threads["serial"] = threading.Thread(target=holder, args=("serial", True, started["serial"]))
+    threads["serial"].start()
+    assert not started["serial"].wait(0.3), "the serial holder ran beside a shared one"
+    threads["late"] = threading.Thread(target=holder, args=("late", False, started["late"]))
+    threads["late"].start()
+    assert not started["late"].wait(0.3), "a new shared holder got in while a serial one was waiting"
+    release["first"].set()
+    assert started["serial"].wait(5)
+    assert not started["late"].wait(0.3), "a shared holder ran beside the serial one"
+    release["serial"].set()
+    assert started["late"].wait(5)
+    release["late"].set()
+    for t in threads.values():
+        t.join(5)
+    assert order == ["first", "serial", "late"]
+
+
+def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+    text = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M) and "-n $(TEST_WORKERS) --dist loadfile" in text
+    assert "pytest-xdist" in " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
+    for name in ("test_launch.py", "test_launch_faults.py", "test_wire.py"):
+        assert re.search(r"^pytestmark = pytest.mark.serial$", (ROOT / "tests" / name).read_text(), re.M), name
+    conftest = _root_conftest()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
+    assert conftest._LOCK is None                 # one process: no lock to take
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
+    assert isinstance(conftest._LOCK, conftest.SerialLock)

@@ -11,6 +11,9 @@ from course_lib.maths import costs
 from course_lib.bench import wire
 from course_lib.launch import RankError, run
 
+# Runs alone under `make test`'s two workers (root conftest.py): counts bytes on the machine-wide loopback interface.
+pytestmark = pytest.mark.serial
+
 NET_DEV = """\
 Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
