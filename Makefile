@@ -38,13 +38,14 @@ system-deps:
 	bash scripts/system-deps.sh
 
 # Unit tests + nbval on solutions/ and labs/ (configured in pyproject.toml), on TEST_WORKERS
-# pytest-xdist workers: one notebook or test file stays on one worker, in order, and the tests marked
-# `serial` run alone (root conftest.py). TEST_WORKERS=0 runs everything in one process.
+# pytest-xdist workers: one notebook or test file stays on one worker, in order, files are handed
+# out longest first, and the tests marked `serial` run alone (root conftest.py).
+# TEST_WORKERS=0 runs everything in one process.
 # pytest's own exit status is kept in test-artifacts/pytest-exit-status for .ci/run (make only says 2).
 TEST_WORKERS ?= 2
 test: $(STAMP) system-deps
 	@mkdir -p test-artifacts
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile; status=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; status=$$?; \
 		echo $$status > test-artifacts/pytest-exit-status; exit $$status
 
 # Instructor run: every solution headless, then a table of status, seconds, backend and devices.

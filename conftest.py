@@ -4,15 +4,17 @@
    ``pytest-xdist`` workers (``--dist loadfile``: a notebook's cells, or a test file, stay on one
    worker, in order). A multi-rank notebook leaves about a quarter of two cores idle (the kernel's
    single-threaded phases, rank round trips), which the other worker fills. A few tests must not share
-   the machine: they time a slow rank against a 2 s deadline, count bytes on the machine-wide loopback
-   interface, or drive a browser against timeouts. They carry ``@pytest.mark.serial`` and run *alone*:
+   the machine: they time a slow rank against a 2 s deadline or count bytes on the machine-wide
+   loopback interface. They carry ``@pytest.mark.serial`` and run *alone*:
    every item takes a shared lock, a serial item an exclusive one (two ``flock`` files, so a waiting
    serial item is never starved by the other worker's stream of shared ones). Without xdist the locks
-   are not taken.
-2. **Lab 06's two-node runs once.** labs/ runs every lab as learners receive it, outputs not compared;
-   solutions/ runs the same cells with their outputs compared. The two-node runs of Lab 06 (two network
-   namespaces, throttled link, ~30 s) are the same code in both, so they run once, in solutions/ (and in
-   tests/test_netns.py): the labs/ kernels start with ``COURSE_LIB_TWO_NODE=0`` and take the lab's own
+   are not taken. The files are handed out longest first (a rough guess from the markers), so the
+   run does not end on one long file.
+2. **Lab 06's two-node runs once, in tests/test_netns.py.** The two-node cells of Lab 06 (two network
+   namespaces, a throttled link, two torchrun agents, two ``jax.distributed`` processes: ~27 s) print
+   timings, so nbval cannot compare them; tests/test_netns.py runs the same functions and asserts what
+   the cells show (the bytes on the cable against the formula, the report, the traffic widget) and more.
+   So every notebook kernel under pytest starts with ``COURSE_LIB_TWO_NODE=0`` and takes the lab's own
    "skipped" branch, which a learner without permission for namespaces also gets.
 """
 import contextlib
@@ -24,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-LABS = Path(__file__).resolve().parent / "labs"
 _ORIGINAL = os.environ.get("COURSE_LIB_TWO_NODE")
 
 
@@ -68,6 +69,25 @@ def pytest_configure(config):
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
 
 
+def _cost(item) -> float:
+    """A rough guess of an item's seconds on 2 cores: a notebook cell ~2, a test marked slow ~20."""
+    if item.path.suffix == ".ipynb":
+        return 2.0
+    return 20.0 if item.get_closest_marker("slow") else 0.3
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under xdist (Makefile: --no-loadscope-reorder) files are handed to the workers in collection order:
+    # the longest first, so the run does not end with one worker on a 40 s file while the other idles.
+    # Each file keeps its own order; the sort is stable, so both workers collect the same order.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(str(item.path), []).append(item)
+    items[:] = [i for group in sorted(files.values(), key=lambda g: -sum(map(_cost, g))) for i in group]
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     # tryfirst: outermost, so the wait for the lock is not counted by pytest-timeout's per-test limit.
@@ -81,7 +101,7 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_setup(item):
     # tryfirst: before the notebook's kernel starts (nbval starts it in the first cell's setup), so the
     # kernel inherits the setting.
-    if LABS in Path(str(item.path)).resolve().parents:
+    if item.path.suffix == ".ipynb":
         os.environ["COURSE_LIB_TWO_NODE"] = "0"
     elif _ORIGINAL is None:
         os.environ.pop("COURSE_LIB_TWO_NODE", None)

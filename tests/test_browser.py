@@ -34,7 +34,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 SERVER_START_S = 150    # JupyterLab's first cold start can take over a minute on a busy 2-core machine
 WIDGETS_S = 150         # kernel start + course_lib.run cold start + two widget renders
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def _free_port() -> int:

@@ -189,7 +189,7 @@ def test_a_wrong_answer_never_breaks_lab06(monkeypatch):
         cells[0].source = source
     monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")       # lab mode: ❌ and fall back, never raise
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    # the two-node cells hold no exercise and run in solutions/, labs/ and tests/test_netns.py already
+    # the two-node cells hold no exercise; tests/test_netns.py runs them (root conftest.py)
     monkeypatch.setenv("COURSE_LIB_TWO_NODE", "0")
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(labs)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

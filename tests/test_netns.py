@@ -117,6 +117,18 @@ def test_torchrun_two_agents_fsdp_vs_hsdp():
     assert pred["hsdp"]["measured_link"] < pred["fsdp"]["measured_link"] / 2.5
     axes = {(op, axis) for op, _, _, _, axis in hsdp["ops"]}
     assert axes == {("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")}
+    # what Lab 06's two-node cells show of the same run: the report, the ring floor, the traffic widget
+    report = two_node.format_report(res).splitlines()
+    assert report[0].startswith("two nodes x 2 ranks, link 100 Mbit/s")
+    assert [line.split()[0] for line in report[3:5]] == ["fsdp", "hsdp"] and "FSDP - HSDP per step" in report[5]
+    ring = two_node.predict(res)
+    assert ring["fsdp"]["predicted_link"] < pred["fsdp"]["predicted_link"]      # gloo's reduce-scatter sends 2x ...
+    assert ring["hsdp"]["predicted_link"] == pred["hsdp"]["predicted_link"]     # ... and only HSDP's all-reduce crosses
+    ledger = two_node.link_ledger(res, "hsdp")
+    assert {r.axis for r in ledger.filter()} == {"shard, intra-node", "replicate, inter-node"}
+    from course_lib import widgets
+    widget = widgets.show_traffic(ledger, title="HSDP on two nodes")
+    assert widget.timeline.value.count('class="collective') == len(hsdp["ops"])
 
 
 @pytest.mark.slow

@@ -179,18 +179,16 @@ def test_nbval_config_compares_a_solution_and_runs_its_lab(tmp_path):
     assert re.search(r"\b10 passed\b", result.stdout), result.stdout[-2000:]
 
 
-def test_labs_kernels_skip_the_two_node_runs_that_solutions_run(monkeypatch):
-    """The root conftest turns Lab 06's two-node runs off for labs/ items only (solutions/ and
-    tests/test_netns.py run them), and puts the caller's setting back for every other item."""
-    import importlib.util
+def test_notebook_kernels_skip_the_two_node_runs_that_test_netns_runs(monkeypatch):
+    """The root conftest turns Lab 06's two-node runs off for notebook items (tests/test_netns.py runs
+    them, with assertions), and puts the caller's setting back for every other item."""
     from types import SimpleNamespace
-    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
+    conftest = _root_conftest()
     monkeypatch.delenv("COURSE_LIB_TWO_NODE", raising=False)
-    spec.loader.exec_module(conftest)
-    conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "labs" / "06_hybrid_sharding.ipynb"))
-    assert os.environ["COURSE_LIB_TWO_NODE"] == "0"
-    conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "solutions" / "06_hybrid_sharding.ipynb"))
+    for where in ("labs", "solutions"):
+        conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / where / "06_hybrid_sharding.ipynb"))
+        assert os.environ["COURSE_LIB_TWO_NODE"] == "0"
+    conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "tests" / "test_netns.py"))
     assert "COURSE_LIB_TWO_NODE" not in os.environ
 
 
@@ -240,7 +238,7 @@ def test_a_serial_item_runs_alone_and_is_not_starved(tmp_path):
 def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_path):
     from types import SimpleNamespace
     text = (ROOT / "Makefile").read_text()
-    assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M) and "-n $(TEST_WORKERS) --dist loadfile" in text
+    assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M) and "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder" in text
     assert "pytest-xdist" in " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
     for name in ("test_launch.py", "test_launch_faults.py", "test_wire.py"):
         assert re.search(r"^pytestmark = pytest.mark.serial$", (ROOT / "tests" / name).read_text(), re.M), name
@@ -251,3 +249,21 @@ def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
     assert isinstance(conftest._LOCK, conftest.SerialLock)
+
+
+def test_files_are_handed_out_longest_first_each_in_its_own_order(monkeypatch):
+    from types import SimpleNamespace
+    conftest = _root_conftest()
+
+    def item(path, slow=False):
+        return SimpleNamespace(path=Path(path), name=f"{path}#{id(object())}",
+                               get_closest_marker=lambda name: object() if (slow and name == "slow") else None)
+    items = ([item("tests/test_small.py") for _ in range(3)] + [item("tests/test_slow.py"), item("tests/test_slow.py", True)]
+             + [item("labs/06.ipynb") for _ in range(4)])
+    before = list(items)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    conftest.pytest_collection_modifyitems(None, items)
+    assert items == before                         # one process: pytest's own order
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_collection_modifyitems(None, items)
+    assert items == before[3:5] + before[5:] + before[:3]    # 20.3 s, then 8 s, then 0.9 s

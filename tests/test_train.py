@@ -105,6 +105,7 @@ def wait_for(pred, timeout, what, procs=()):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_two_agents_killed_and_resumed_equal_uninterrupted(reference, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     extra = ["--ckpt-dir", str(ck), "--ckpt-every", "2", "--jsonl", str(log)]
@@ -125,6 +126,7 @@ def test_two_agents_killed_and_resumed_equal_uninterrupted(reference, tmp_path):
     assert (ck / "step_00000008").is_dir()
 
 
+@pytest.mark.slow
 def test_resume_four_ranks_at_two(reference, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(reference / "ck", ck)

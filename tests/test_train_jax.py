@@ -69,6 +69,7 @@ def reference(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_two_processes_killed_and_resumed_equal_uninterrupted(reference, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
     extra = ["--ckpt-dir", str(ck), "--ckpt-every", "2", "--jsonl", str(log)]
@@ -93,6 +94,7 @@ def test_two_processes_killed_and_resumed_equal_uninterrupted(reference, tmp_pat
     assert got == want, f"resumed curve differs: {got} vs {want}"
 
 
+@pytest.mark.slow
 def test_resume_four_devices_at_two(reference, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(reference / "ck", ck)
