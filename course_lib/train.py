@@ -181,6 +181,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        lr = sched.get_last_lr()[0]          # the rate this step uses (sched.step() below moves to the next)
         x, y = (t.to(device) for t in data.next(rank, world))
         loss = loss_fn(model(x).float(), y)
         loss.backward()
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         dt = time.perf_counter() - t0
         step, times = s + 1, times + [dt]
         row = {"step": s, "loss": t[0].item() / world, "tokens_per_s": tokens / dt, "step_s": dt,
-               "lr": sched.get_last_lr()[0], "peak_bytes": _peak_memory(device), "world_size": world}
+               "lr": lr, "peak_bytes": _peak_memory(device), "world_size": world}
         if peak:
             row["mfu"] = fpt * tokens / dt / (peak * world)
         if log:

@@ -126,6 +126,13 @@ def test_two_agents_killed_and_resumed_equal_uninterrupted(reference, tmp_path):
     assert (ck / "step_00000008").is_dir()
 
 
+def test_the_log_gives_each_step_the_rate_it_used(reference):
+    """Warm-up over the default 8 steps: step s trains at lr * (s + 1) / 8, as train_jax logs it."""
+    rows = [json.loads(line) for line in (reference / "log.jsonl").read_text().splitlines()]
+    lrs = {row["step"]: row["lr"] for row in rows if "step" in row}
+    assert lrs == pytest.approx({s: 3e-3 * min(1.0, (s + 1) / 8) for s in range(8)})
+
+
 @pytest.mark.slow
 def test_resume_four_ranks_at_two(reference, tmp_path):
     ck = tmp_path / "ck"
