@@ -5,7 +5,8 @@
    worker, in order). A multi-rank notebook leaves about a quarter of two cores idle (the kernel's
    single-threaded phases, rank round trips), which the other worker fills. A few tests must not share
    the machine: they time a slow rank against a 2 s deadline or count bytes on the machine-wide
-   loopback interface. They carry ``@pytest.mark.serial`` and run *alone*:
+   loopback interface. They carry ``@pytest.mark.serial`` (a notebook cell: the tag ``serial``, as
+   Lab 00's loopback measurement) and run *alone*:
    every item takes a shared lock, a serial item an exclusive one (two ``flock`` files, so a waiting
    serial item is never starved by the other worker's stream of shared ones). Without xdist the locks
    are not taken. The files are handed out longest first (a rough guess from the markers), so the
@@ -69,6 +70,13 @@ def pytest_configure(config):
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
 
 
+def runs_alone(item) -> bool:
+    """A test marked ``serial``, or a notebook cell tagged ``serial`` (nbval's item keeps its cell)."""
+    cell = getattr(item, "cell", None)
+    tags = cell.metadata.get("tags", []) if cell is not None else []
+    return item.get_closest_marker("serial") is not None or "serial" in tags
+
+
 def _cost(item) -> float:
     """A rough guess of an item's seconds on 2 cores: a notebook cell ~2, a test marked slow ~20."""
     if item.path.suffix == ".ipynb":
@@ -93,7 +101,7 @@ def pytest_runtest_protocol(item, nextitem):
     # tryfirst: outermost, so the wait for the lock is not counted by pytest-timeout's per-test limit.
     if _LOCK is None:
         return (yield)
-    with _LOCK.hold(alone=item.get_closest_marker("serial") is not None):
+    with _LOCK.hold(alone=runs_alone(item)):
         return (yield)
 
 

@@ -243,6 +243,11 @@ def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_
     for name in ("test_launch.py", "test_launch_faults.py", "test_wire.py"):
         assert re.search(r"^pytestmark = pytest.mark.serial$", (ROOT / "tests" / name).read_text(), re.M), name
     conftest = _root_conftest()
+    import nbformat
+    lab00 = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
+    alone = [c.source.split("(")[0] for c in lab00.cells if c.cell_type == "code" and conftest.runs_alone(
+        SimpleNamespace(cell=c, get_closest_marker=lambda name: None))]
+    assert alone == ["measured = wire.measure_wire"]   # counts loopback bytes: nbval compares the next cell's verdict
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
     assert conftest._LOCK is None                 # one process: no lock to take
