@@ -14,7 +14,8 @@ from course_lib import launch
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.launch import pool
 
-# Runs alone under `make test`'s two workers (root conftest.py): a slow rank against a 2 s deadline, interrupts mid-start.
+# Runs alone under `make test`'s two workers (root conftest.py): a slow rank against a 2 s deadline,
+# interrupts mid-start.
 pytestmark = pytest.mark.serial
 
 PY = sys.executable

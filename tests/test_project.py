@@ -179,6 +179,14 @@ def test_nbval_config_compares_a_solution_and_runs_its_lab(tmp_path):
     assert re.search(r"\b10 passed\b", result.stdout), result.stdout[-2000:]
 
 
+def _root_conftest():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("root_conftest_lock", ROOT / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest
+
+
 def test_notebook_kernels_skip_the_two_node_runs_that_test_netns_runs(monkeypatch):
     """The root conftest turns Lab 06's two-node runs off for notebook items (tests/test_netns.py runs
     them, with assertions), and puts the caller's setting back for every other item."""
@@ -190,14 +198,6 @@ def test_notebook_kernels_skip_the_two_node_runs_that_test_netns_runs(monkeypatc
         assert os.environ["COURSE_LIB_TWO_NODE"] == "0"
     conftest.pytest_runtest_setup(SimpleNamespace(path=ROOT / "tests" / "test_netns.py"))
     assert "COURSE_LIB_TWO_NODE" not in os.environ
-
-
-def _root_conftest():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("root_conftest_lock", ROOT / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    return conftest
 
 
 def test_a_serial_item_runs_alone_and_is_not_starved(tmp_path):
@@ -238,12 +238,13 @@ def test_a_serial_item_runs_alone_and_is_not_starved(tmp_path):
 def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_path):
     from types import SimpleNamespace
     text = (ROOT / "Makefile").read_text()
-    assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M) and "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder" in text
+    assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M)
+    assert "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder" in text
     assert "pytest-xdist" in " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
     for name in ("test_launch.py", "test_launch_faults.py", "test_wire.py"):
         assert re.search(r"^pytestmark = pytest.mark.serial$", (ROOT / "tests" / name).read_text(), re.M), name
-    conftest = _root_conftest()
     import nbformat
+    conftest = _root_conftest()
     lab00 = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
     alone = [c.source.split("(")[0] for c in lab00.cells if c.cell_type == "code" and conftest.runs_alone(
         SimpleNamespace(cell=c, get_closest_marker=lambda name: None))]
@@ -263,7 +264,8 @@ def test_files_are_handed_out_longest_first_each_in_its_own_order(monkeypatch):
     def item(path, slow=False):
         return SimpleNamespace(path=Path(path), name=f"{path}#{id(object())}",
                                get_closest_marker=lambda name: object() if (slow and name == "slow") else None)
-    items = ([item("tests/test_small.py") for _ in range(3)] + [item("tests/test_slow.py"), item("tests/test_slow.py", True)]
+    items = ([item("tests/test_small.py") for _ in range(3)]
+             + [item("tests/test_slow.py"), item("tests/test_slow.py", True)]
              + [item("labs/06.ipynb") for _ in range(4)])
     before = list(items)
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
