@@ -1,33 +1,42 @@
-"""course_lib: the small library behind the fsdp-course labs, in ten layers.
+"""course_lib: the small library behind the fsdp-course labs, in twelve layers.
 
-A module imports only its own layer and lower ones (``tests/test_layers.py`` enforces it, with no
-cycles and no private names borrowed across modules). Lowest first::
+A module imports its own layer and the layers its layer may import, nothing else: the rule is a declared
+graph (``MAY_IMPORT`` in ``tests/test_layers.py``, which also sees lazy and string imports, cycles and
+private names borrowed across modules). Lowest first, each with what it may import::
 
-  10 authoring/   labs (solution -> lab), validate, run (run-solutions), cli (python -m course_lib)
-   9 bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP), step_time
-                  (predicted vs measured step time), timeline (profiler trace: overlap), gpu_mfu,
-                  two_node + two_node_worker (torchrun across two network namespaces)
-   8 widgets/     base, ownership (who owns which slice), traffic (what each collective moved),
-                  timeline_svg (the traffic timeline: boxes, labels, time axis)
-   7 checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, lab00 ... labNN
-   6 strategies/  collectives, dp, zero, fsdp (from scratch), fsdp2, fsdp_jax, hsdp, hsdp_jax,
-                  checkpoint (DCP app state, reshard, consolidate), checkpoint_manager (write then
-                  commit, keep last K), checkpoint_jax (Orbax), resumable (exact resume),
-                  memory_meter (measured bytes), describe (ownership of real sharded models),
-                  train_config (the training scripts' flags, checked before any rank trains)
-   5 models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)
-   4 launch/      pool (run a notebook function on N ranks), rank (the rank side), results
-   3 maths/       strategy (which strategy shards what: the one table), sharding (padding), costs
-                  (bytes per collective and step, α-β), memory (bytes per rank), ownership, traffic,
-                  step_model (step time from α, β and FLOP/s), planner (real models on real clusters)
-   2 comm/        ledger (record types), shim (flat all-gather / reduce-scatter), torch_ledger
-                  (c10d-level capture), jax_ledger (collectives from compiled HLO)
-   1 runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine)
+  runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine)
+  comm/        ledger (record types), shim (flat all-gather / reduce-scatter), collectives (all-reduce from
+               its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO)
+                 <- runtime
+  maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
+               collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
+               time from α, β and FLOP/s), planner (real models on real clusters)       <- runtime, comm
+  launch/      pool (run a notebook function on N ranks), rank (the rank side), results
+                 <- runtime, comm, maths
+  models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
+  measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)
+                 <- runtime, comm, maths
+  strategies/  one folder per parallelism, torch and JAX side by side:
+               dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {jax},
+               checkpoint/ {torch (DCP), jax (Orbax), manager (write then commit), resumable}
+                 <- runtime, comm, maths, launch, models, measure
+  checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
+               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN
+                 <- the layers above but widgets
+  widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
+                 <- runtime, comm, maths, measure
+  bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP), step_time
+               (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, two_node +
+               two_node_worker (torchrun across two network namespaces)
+                 <- runtime, comm, maths, launch, models, measure, strategies, widgets
+  authoring/   labs (solution -> lab), validate, run (run-solutions)                      <- runtime
+  apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
+               before any rank trains), torchrun_demo                                        <- everything
 
-Top-level modules are entry points: this one (the public API below), ``__main__`` and the scripts
-run under torchrun or ``jax.distributed`` (``torchrun_demo``, ``train``, ``train_jax``). Vocabulary
-(sharded parameter, all-gather output, padding, unit, payload V) is defined once, in
-:mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
+Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
+``train``, ``train_jax``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``
+keeps working. Vocabulary (sharded parameter, all-gather output, padding, unit, payload V) is defined once,
+in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 
 Importing this package imports neither torch's distributed machinery nor JAX, so a lab can set the
 number of simulated JAX devices after ``import course_lib``.

@@ -1,4 +1,4 @@
-"""course_lib.strategies.checkpoint / checkpoint_manager / resumable: DCP save, reshard, resume, faults.
+"""course_lib.strategies.checkpoint.torch / checkpoint_manager / resumable: DCP save, reshard, resume, faults.
 
 Multi-rank tests use real gloo ranks through course_lib.run; the course GPT has awkward sizes
 (vocab 67, d_ff 199, seq_len 31), so every shard at 4 ranks is padded and the last rank holds fewer rows.
@@ -16,8 +16,8 @@ import torch
 import course_lib
 from course_lib.checks.lab07 import CKPT_CONFIG
 from course_lib.models import GPTConfig, TokenTask
-from course_lib.strategies import checkpoint as ck
-from course_lib.strategies import checkpoint_manager as cm
+from course_lib.strategies.checkpoint import torch as ck
+from course_lib.strategies.checkpoint import manager as cm
 
 cfg = CKPT_CONFIG   # dropout 0.1: the RNG state matters to an exact resume
 

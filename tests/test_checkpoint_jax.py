@@ -1,4 +1,4 @@
-"""course_lib.strategies.checkpoint_jax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 with target
+"""course_lib.strategies.checkpoint.jax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 with target
 shardings, and resume parity of a jit-compiled FSDP step. Runs in the pytest process (conftest sets up
 8 simulated CPU devices before JAX starts)."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib.strategies import checkpoint_jax as cj
+from course_lib.strategies.checkpoint import jax as cj
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_does_not_import_jax_or_orbax():
-    code = "import sys, course_lib.strategies.checkpoint_jax; print('jax' in sys.modules, 'orbax' in sys.modules)"
+    code = "import sys, course_lib.strategies.checkpoint.jax; print('jax' in sys.modules, 'orbax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False False", out.stderr[-2000:]
 
@@ -29,7 +29,7 @@ def jx():
     import optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from course_lib import models
-    from course_lib.strategies import fsdp_jax
+    from course_lib.strategies.fsdp import jax as fsdp_jax
     jax.config.update("jax_default_matmul_precision", "highest")
     devices = jax.devices()[:8]
     mesh_of = lambda n: jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,), devices=devices[:n])  # noqa: E731
@@ -99,7 +99,7 @@ KILLED_SAVE = '''
 import os, sys
 import numpy as np
 import jax
-from course_lib.strategies import checkpoint_jax as cj
+from course_lib.strategies.checkpoint import jax as cj
 mngr = cj.manager(sys.argv[1])
 state = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(64, np.float32)}
 cj.save(mngr, 1, state, {"data_step": 1})

@@ -1,4 +1,4 @@
-"""Data parallel from scratch (course_lib.strategies.dp): the averaged gradient is all_reduce(grad)/N, on real gloo
+"""Data parallel from scratch (course_lib.strategies.dp.torch): the averaged gradient is all_reduce(grad)/N, on real gloo
 ranks, for awkward sizes; bucketing changes the number of collectives, not the bytes; K steps of DP equal
 one process on the whole batch."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from course_lib.maths import costs
-from course_lib.strategies import dp
+from course_lib.strategies.dp import torch as dp
 from course_lib import launch
 from course_lib import models
 from course_lib.models.data import TokenTask
@@ -68,7 +68,7 @@ def _wrapped_grads(kind, cap_mb, steps):
 
     import torch.distributed as dist
 
-    from course_lib.strategies import dp
+    from course_lib.strategies.dp import torch as dp
     from course_lib.comm import torch_ledger as lt
     r, n = dist.get_rank(), dist.get_world_size()
     model = _awkward()
@@ -109,7 +109,7 @@ def test_wrappers_average_like_all_reduce_over_n(kind, cap_mb):
 def _replica_gaps():
     import torch.distributed as dist
 
-    from course_lib.strategies import dp
+    from course_lib.strategies.dp import torch as dp
     torch.manual_seed(1000 + dist.get_rank())          # the classic bug: every rank its own init
     model = torch.nn.Linear(17, 257)
     before = dp.max_replica_gap(model)
@@ -126,7 +126,7 @@ def test_broadcast_makes_replicas_equal():
 def _dp_training(cfg, steps, batch, lr, seed):
     import torch.distributed as dist
 
-    from course_lib.strategies import dp
+    from course_lib.strategies.dp import torch as dp
     from course_lib import models
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed)
     r, n = dist.get_rank(), dist.get_world_size()
@@ -165,7 +165,7 @@ def test_k_steps_of_dp_equal_one_process_on_the_whole_batch():
 def _unused_parameter():
     import torch.distributed as dist
 
-    from course_lib.strategies import dp
+    from course_lib.strategies.dp import torch as dp
     model = _awkward()
     extra = torch.nn.Linear(3, 3)                       # registered, never used in forward
     holder = torch.nn.ModuleList([model, extra])

@@ -1,4 +1,4 @@
-"""Our from-scratch FSDP (course_lib.strategies.fsdp) on real gloo ranks: padding, gradient shards, parity with
+"""Our from-scratch FSDP (course_lib.strategies.fsdp.scratch) on real gloo ranks: padding, gradient shards, parity with
 DDP, the ledger against the formula (exactly), and memory against 16·Ψpad/N."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _flat_facts():
     import torch
     import torch.distributed as dist
 
-    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
     torch.manual_seed(0)
     net = _Net()
     full = {k: v.detach().clone() for k, v in net.named_parameters()}
@@ -60,7 +60,7 @@ def _grad_shards():
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
-    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     plain, net = _Net(), _Net()
@@ -95,8 +95,8 @@ def _train(kind, steps, dtype, cls=None, kwargs=None, net="gpt"):
 
     from course_lib.comm import torch_ledger as lt
     from course_lib.models.data import TokenTask
-    from course_lib.strategies.fsdp import FlatFSDP
-    from course_lib.strategies.memory_meter import model_state
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
+    from course_lib.measure.memory import model_state
     from course_lib.models import loss_fn, torch_gpt
     r, n = dist.get_rank(), dist.get_world_size()
     cfg = LAB_CONFIG
@@ -171,7 +171,7 @@ def test_ledger_bytes_equal_the_formula_exactly_and_memory_is_16_psi_pad_over_n(
 
 
 def _extra_gather_cls():
-    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
 
     class ExtraGather(FlatFSDP):
         """Deliberately wrong: frees and gathers again at the start of every unit's backward."""
@@ -212,7 +212,7 @@ def test_reshard_after_forward_false_and_prefetch():
 
 def test_units_must_be_submodules_that_own_parameters():
     def bad():
-        from course_lib.strategies.fsdp import FlatFSDP
+        from course_lib.strategies.fsdp.scratch import FlatFSDP
         net = _Net()
         for units in ([torch.nn.Linear(2, 2)], [net], [net.a, net.a]):
             try:
@@ -229,7 +229,7 @@ def _ledger_vs_formula(kind, prefetch):
     import torch
     import torch.distributed as dist
     from course_lib.comm import torch_ledger as lt
-    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
     torch.manual_seed(0)
     if kind == "embedding_root":
         body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))

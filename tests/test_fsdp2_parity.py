@@ -17,9 +17,9 @@ def _steps(strategy, steps, dtype, reshard_root=True):
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
-    from course_lib.strategies.fsdp2 import build
+    from course_lib.strategies.fsdp.torch import build
     from course_lib.models.data import TokenTask
-    from course_lib.strategies.fsdp import gathered_parameters
+    from course_lib.strategies.fsdp.scratch import gathered_parameters
     from course_lib.models import loss_fn
     r, n = dist.get_rank(), dist.get_world_size()
     model, units = build(strategy, LAB_CONFIG, dtype=dtype, reshard_root=reshard_root)

@@ -1,4 +1,4 @@
-"""course_lib.strategies.fsdp_jax: sharding rules, the jit (GSPMD) FSDP step and the shard_map FSDP step.
+"""course_lib.strategies.fsdp.jax: sharding rules, the jit (GSPMD) FSDP step and the shard_map FSDP step.
 
 Everything that computes runs in ONE subprocess with 8 simulated CPU devices: the device count must be set
 before JAX starts, and another test in this pytest process may already have started JAX with another
@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib.strategies import fsdp_jax
+from course_lib.strategies.fsdp import jax as fsdp_jax
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_does_not_import_jax():
-    code = "import sys, course_lib, course_lib.strategies.fsdp_jax; print('jax' in sys.modules)"
+    code = "import sys, course_lib, course_lib.strategies.fsdp.jax; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent('''
     from flax import nnx
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from course_lib.maths import costs
-    from course_lib.strategies import fsdp_jax
+    from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.comm import jax_ledger
     from course_lib import models
     from course_lib.models.data import TokenTask

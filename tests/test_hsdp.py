@@ -12,7 +12,7 @@ from course_lib import launch
 from course_lib.comm.ledger import CollectiveRecord
 from course_lib.maths import costs
 from course_lib.models import LAB_CONFIG, TorchGPT
-from course_lib.strategies import hsdp
+from course_lib.strategies.hsdp import torch as hsdp
 
 with torch.device("meta"):
     UNITS = hsdp.unit_shapes(TorchGPT(LAB_CONFIG))
@@ -59,9 +59,9 @@ def _train(kind, R, F, steps, dtype, accum=1, each=False):
     from course_lib.comm import torch_ledger as lt
     from course_lib.models import loss_fn, torch_gpt
     from course_lib.models.data import TokenTask
-    from course_lib.strategies import hsdp
-    from course_lib.strategies.fsdp import gathered_parameters
-    from course_lib.strategies.memory_meter import model_state
+    from course_lib.strategies.hsdp import torch as hsdp
+    from course_lib.strategies.fsdp.scratch import gathered_parameters
+    from course_lib.measure.memory import model_state
     r, n = dist.get_rank(), dist.get_world_size()
     if kind == "ddp":
         model = DDP(torch_gpt(LAB_CONFIG, seed=0).to(dtype))

@@ -17,7 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from course_lib import models  # noqa: E402
 from course_lib.comm import jax_ledger  # noqa: E402
 from course_lib.models.data import TokenTask  # noqa: E402
-from course_lib.strategies import fsdp_jax, hsdp_jax  # noqa: E402
+from course_lib.strategies.fsdp import jax as fsdp_jax  # noqa: E402
+from course_lib.strategies.hsdp import jax as hsdp_jax  # noqa: E402
+from course_lib.strategies.tp import jax as tp_jax  # noqa: E402
 
 CFG = models.GPTConfig(vocab_size=512, seq_len=16, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 B, K = 32, 2
@@ -116,17 +118,17 @@ def test_shard_map_hsdp_is_exactly_what_is_written(single):
 
 
 def test_fsdp_tp_memory_and_parity(single):
-    mesh = hsdp_jax.tp_mesh(4, 2, jax.devices()[:8])
-    rule = hsdp_jax.fsdp_tp_rule(4, 2)
-    assert hsdp_jax.fsdp_tp_spec((64, 256), 4, 2) == P("fsdp", "tensor")
-    assert hsdp_jax.fsdp_tp_spec((64,), 4, 2) == P()
+    mesh = tp_jax.tp_mesh(4, 2, jax.devices()[:8])
+    rule = tp_jax.fsdp_tp_rule(4, 2)
+    assert tp_jax.fsdp_tp_spec((64, 256), 4, 2) == P("fsdp", "tensor")
+    assert tp_jax.fsdp_tp_spec((64,), 4, 2) == P()
     losses, led, model = _jit_run(mesh, rule)
     np.testing.assert_allclose(losses, single, rtol=1e-5, atol=1e-6)
     k = model.blocks[0].mlp.fc.kernel.get_value()
     assert k.sharding.spec == P("fsdp", "tensor") and k.addressable_shards[0].data.shape == (16, 128)
     held = hsdp_jax.bytes_per_device(nnx.state(model, nnx.Param))
     big = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-              if hsdp_jax.fsdp_tp_spec(x.shape, 4, 2) == P("fsdp", "tensor"))
+              if tp_jax.fsdp_tp_spec(x.shape, 4, 2) == P("fsdp", "tensor"))
     psi = models.param_count(CFG) * 4
     assert len(set(held)) == 1
     assert held[0] == big // 8 + (psi - big)        # Ψ_big/(F·T), plus the small arrays, replicated

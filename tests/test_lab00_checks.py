@@ -16,7 +16,7 @@ import pytest
 
 from course_lib.checks import lab00
 from course_lib.maths import costs
-from course_lib.strategies import collectives
+from course_lib.comm import collectives
 from course_lib.checks import CheckFailed
 from course_lib.maths.costs import wire_bytes
 

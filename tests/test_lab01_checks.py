@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.strategies import dp
+from course_lib.strategies.dp import torch as dp
 from course_lib.checks import lab01
 from course_lib.checks import CheckFailed
 
@@ -147,7 +147,7 @@ JAX_SCRIPT = textwrap.dedent("""
     import course_lib
     course_lib.setup_jax(4)
     import jax
-    from course_lib.strategies import dp
+    from course_lib.strategies.dp import torch as dp
     from course_lib.checks import lab01
     from course_lib.checks import CheckFailed
     mesh = jax.make_mesh((4,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))

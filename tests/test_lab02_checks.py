@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.strategies import memory_meter
+from course_lib.measure import memory as memory_meter
 from course_lib.checks import lab02
 from course_lib.checks import CheckFailed
 

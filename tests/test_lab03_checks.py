@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.strategies import fsdp
+from course_lib.strategies.fsdp import scratch as fsdp
 from course_lib.checks import lab03
 from course_lib.checks import CheckFailed
-from course_lib.strategies.fsdp import State
+from course_lib.strategies.fsdp.scratch import State
 
 
 # -- exercise 1: flat shard ----------------------------------------------------------------------------

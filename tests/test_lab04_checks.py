@@ -163,5 +163,5 @@ def test_prefetch_plan_wrong_answers_are_named(wrong, says):
 
 
 def test_reference_prefetch_is_the_library_one():
-    from course_lib.strategies import fsdp2
+    from course_lib.strategies.fsdp import torch as fsdp2
     assert lab04.check_prefetch_plan(fsdp2.prefetch_ahead) is True

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.checks import CheckFailed, lab05
-from course_lib.strategies import fsdp_jax
+from course_lib.strategies.fsdp import jax as fsdp_jax
 
 ROOT = Path(__file__).resolve().parent.parent
 P = pytest.importorskip("jax.sharding").PartitionSpec

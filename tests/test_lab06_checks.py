@@ -113,7 +113,7 @@ def test_choose_f_wrong(fn, diagnosis):
 def _tp(kind):
     def fn(shape, fsdp, tensor):
         from jax.sharding import PartitionSpec as P
-        from course_lib.strategies import fsdp_jax
+        from course_lib.strategies.fsdp import jax as fsdp_jax
         big = len(shape) == 2 and math.prod(shape) >= fsdp_jax.MIN_SIZE
         if big and shape[0] % fsdp == 0 and shape[1] % tensor == 0:
             return {"both_on_dim0": P(("fsdp", "tensor"), None), "fsdp_only": P("fsdp", None),

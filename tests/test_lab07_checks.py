@@ -150,7 +150,7 @@ def test_load_resharded_to_one_rank():
 def _jax():
     import jax
     from jax.sharding import NamedSharding
-    from course_lib.strategies.fsdp_jax import fsdp_spec
+    from course_lib.strategies.fsdp.jax import fsdp_spec
     return jax, NamedSharding, fsdp_spec
 
 

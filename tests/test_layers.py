@@ -1,12 +1,11 @@
-"""course_lib's architecture, enforced: layers in order, no upward imports, no cycles, no private names
-borrowed across modules, modules of a readable length.
+"""course_lib's architecture, enforced: a declared graph of layers, no import against it (a plain import,
+a lazy one inside a function, or a string handed to ``importlib.import_module`` / ``__import__``), no cycles,
+no private names borrowed across modules, modules of a readable length.
 
-The layers, lowest first (a module may import its own layer and any lower one):
-
-    runtime -> comm -> maths -> launch -> models -> strategies -> checks -> widgets -> bench -> authoring
-
-Top-level modules (``course_lib/__init__.py``, ``__main__.py`` and the scripts run with ``python -m``)
-are entry points and may import any layer. Function-level (lazy) imports count like any other.
+``MAY_IMPORT`` is the rule: a module of layer X may import its own layer and the layers listed for X, nothing
+else. Two more kinds of module sit outside the layers: the package itself (``course_lib/__init__.py``, the
+public API notebooks import) and the entry aliases at the package root (``__main__``, ``train``,
+``train_jax``, ``torchrun_demo``), which hand over to ``apps``.
 """
 from __future__ import annotations
 
@@ -20,7 +19,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "course_lib"
-LAYERS = ("runtime", "comm", "maths", "launch", "models", "strategies", "checks", "widgets", "bench", "authoring")
+#: The layers, lowest first (the order the package docstring draws them in).
+LAYERS = ("runtime", "comm", "maths", "launch", "models", "measure", "strategies", "checks", "widgets", "bench",
+          "authoring", "apps")
+_BASE = {"runtime", "comm", "maths"}
+#: Which layers a layer may import (besides itself). A layer may only name layers before it in LAYERS.
+MAY_IMPORT: dict[str, set[str]] = {
+    "runtime": set(),
+    "comm": {"runtime"},
+    "maths": {"runtime", "comm"},
+    "launch": _BASE,
+    "models": _BASE,
+    "measure": _BASE,
+    "strategies": _BASE | {"launch", "models", "measure"},
+    "checks": _BASE | {"launch", "models", "measure", "strategies"},
+    "widgets": _BASE | {"measure"},
+    "bench": _BASE | {"launch", "models", "measure", "strategies", "widgets"},
+    "authoring": {"runtime"},                                  # reads and writes notebooks: no torch, no JAX
+    "apps": set(LAYERS[:-1]) | {"api"},
+    "api": {"runtime", "comm", "launch"},                      # course_lib/__init__.py
+    "entry": {"apps"},                                         # course_lib/__main__.py and the aliases
+}
 MAX_LINES = 300
 LONG_REASON = "Longer than ~300 lines"   # what a module's docstring must say to exceed MAX_LINES
 
@@ -35,25 +54,48 @@ def module_sources(pkg: Path = PKG) -> dict[str, str]:
     return out
 
 
-def layer_name(module: str) -> str:
-    i = layer_of(module)
-    return LAYERS[i] if i < len(LAYERS) else "entry point"
-
-
-def layer_of(module: str) -> int:
-    """Index in LAYERS; entry points (top-level modules) rank above every layer."""
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: a subpackage's name, ``api`` for the package, ``entry`` for the rest."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[1] in LAYERS:
-        return LAYERS.index(parts[1])
-    return len(LAYERS)
+    if len(parts) == 1:
+        return "api"
+    return parts[1] if parts[1] in LAYERS else "entry"
+
+
+def allowed(importer: str, imported: str) -> bool:
+    a, b = layer_of(importer), layer_of(imported)
+    return a == b or b in MAY_IMPORT[a]
 
 
 def _is_package(module: str, modules: dict[str, str]) -> bool:
     return any(m.startswith(module + ".") for m in modules)
 
 
+_STRING_IMPORTERS = {"import_module", "__import__", "run_module"}
+
+
+def _string_target(node: ast.AST) -> str | None:
+    """The module a string import names: the whole constant, or for an f-string the package its constant
+    prefix names (``f"course_lib.bench.{what}"`` -> ``course_lib.bench``, any module of it)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        prefix = ""
+        for part in node.values:
+            if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+                break
+            prefix += part.value
+        return prefix.rstrip(".").rpartition(".")[0] if not prefix.endswith(".") else prefix.rstrip(".")
+    return None
+
+
+def _is_dynamic(node: ast.AST) -> bool:
+    return isinstance(node, ast.JoinedStr)
+
+
 def imports_of(module: str, source: str, modules: dict[str, str]):
-    """``(imported module, imported names)`` for every course_lib import in ``source``, at any depth."""
+    """``(imported module, imported names)`` for every course_lib import in ``source``, at any depth,
+    names None for a module a string computes at run time; string imports (``importlib.import_module("course_lib....")``, ``__import__``, ``runpy.run_module``) included."""
     package = module if _is_package(module, modules) else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -70,6 +112,13 @@ def imports_of(module: str, source: str, modules: dict[str, str]):
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 yield (sub, []) if sub in modules else (base, [alias.name])
+        elif isinstance(node, ast.Call) and node.args:
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            target = _string_target(node.args[0]) if name in _STRING_IMPORTERS else None
+            if target and target.split(".")[0] == "course_lib":
+                # an f-string names *some* module of a package: held to the layer rule, not a cycle edge
+                yield target, (None if _is_dynamic(node.args[0]) else [])
 
 
 def violations(modules: dict[str, str]) -> list[str]:
@@ -80,12 +129,13 @@ def violations(modules: dict[str, str]) -> list[str]:
             if target not in modules:
                 problems.append(f"{module} imports {target}, which does not exist")
                 continue
-            if target != module:
+            if target != module and names is not None:
                 edges[module].add(target)
-            if layer_of(target) > layer_of(module):
-                problems.append(f"{module} (layer {layer_name(module)}) imports {target} "
-                                f"(layer {layer_name(target)}): a lower layer must not import a higher one")
-            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if not allowed(module, target):
+                a, b = layer_of(module), layer_of(target)
+                problems.append(f"{module} (layer {a}) imports {target} (layer {b}): {a} may import only "
+                                f"{', '.join(sorted(MAY_IMPORT[a])) or 'nothing'} (MAY_IMPORT in tests/test_layers.py)")
+            private = [n for n in names or [] if n.startswith("_") and not n.startswith("__")]
             if private:
                 problems.append(f"{module} imports private name(s) {', '.join(private)} from {target}: "
                                 "make them public there, or keep the code in one module")
@@ -131,21 +181,54 @@ def test_every_subpackage_is_a_known_layer():
     assert subpackages == set(LAYERS), f"unknown or missing layers: {subpackages ^ set(LAYERS)}"
 
 
+def test_the_declared_graph_points_down_only():
+    """A layer names only layers before it in LAYERS: the graph has no cycle, and LAYERS is its order."""
+    for layer, may in MAY_IMPORT.items():
+        if layer in LAYERS:
+            later = [m for m in may if m in LAYERS and LAYERS.index(m) >= LAYERS.index(layer)]
+            assert not later, f"{layer} may import {later}, which are not below it in LAYERS"
+
+
 def test_the_package_follows_its_layers():
     assert violations(module_sources()) == []
 
 
-def test_the_checker_catches_an_upward_import_a_private_name_and_a_cycle():
-    """The rule above would fail on a violation: shown here on a copy of the package with three faults."""
+def test_the_checker_catches_an_upward_import_a_string_import_a_private_name_and_a_cycle():
+    """The rule above would fail on a violation: shown here on a copy of the package with five faults."""
     modules = module_sources()
-    modules["course_lib.maths.costs"] += "\n\ndef _f():\n    from course_lib.strategies import fsdp\n"
+    modules["course_lib.maths.costs"] += "\n\ndef _f():\n    from course_lib.strategies.fsdp import scratch\n"
+    modules["course_lib.maths.step_model"] += ("\n\ndef _g(what):\n    import importlib\n"
+                                               "    return importlib.import_module(f'course_lib.bench.{what}')\n")
+    modules["course_lib.widgets.base"] += "\n\ndef _h():\n    return __import__('course_lib.launch.pool')\n"
     modules["course_lib.maths.memory"] += "\nfrom course_lib.maths.sharding import _private_helper\n"
     modules["course_lib.maths.sharding"] += "\nfrom course_lib.maths import memory\n"
     found = violations(modules)
-    assert any("course_lib.maths.costs (layer maths) imports course_lib.strategies.fsdp (layer strategies)" in p
+    assert any("course_lib.maths.costs (layer maths) imports course_lib.strategies.fsdp.scratch (layer strategies)"
+               in p for p in found), found
+    assert any("course_lib.maths.step_model (layer maths) imports course_lib.bench (layer bench)" in p
+               for p in found), found
+    assert any("course_lib.widgets.base (layer widgets) imports course_lib.launch.pool (layer launch)" in p
                for p in found), found
     assert any("private name(s) _private_helper" in p for p in found), found
     assert any(p.startswith("import cycle:") and "course_lib.maths.memory" in p for p in found), found
+
+
+def test_the_cli_string_import_is_seen():
+    """``apps.cli`` loads a benchmark by a string: the checker sees it as an import of ``course_lib.bench``."""
+    src = module_sources()
+    assert ("course_lib.bench", None) in list(imports_of("course_lib.apps.cli", src["course_lib.apps.cli"], src))
+
+
+def test_layer_docstrings_name_the_layer_not_a_number():
+    """Each layer's ``__init__`` says which layer it is by name; a number ("Layer 6") drifts when layers move."""
+    import course_lib
+    bad = []
+    for layer in LAYERS:
+        doc = ast.get_docstring(ast.parse((PKG / layer / "__init__.py").read_text())) or ""
+        if not doc.startswith(f"The {layer} layer") or re.search(r"\blayer \d", doc, re.I):
+            bad.append(f"{layer}/__init__.py: {doc.splitlines()[0] if doc else '(no docstring)'}")
+    assert bad == [], "start each layer's docstring with 'The <name> layer', and give no number:\n" + "\n".join(bad)
+    assert not re.search(r"^\s*\d+ \w+/", course_lib.__doc__, re.M), "course_lib's docstring numbers its layers"
 
 
 def test_modules_stay_readable():
@@ -164,8 +247,15 @@ def test_every_module_is_placed_in_the_package_docstring():
     import course_lib
     doc = course_lib.__doc__
     leaf = lambda name: "labNN" if re.fullmatch(r"lab\d\d", name) else name   # noqa: E731 (checks.labNN)
-    missing = [name for name in module_sources()
-               if name.count(".") == 2 and leaf(name.rsplit(".", 1)[1]) not in doc]
+    missing = []
+    for name in module_sources():
+        parts = name.split(".")
+        if len(parts) == 3 and leaf(parts[2]) not in doc:
+            missing.append(name)
+        if len(parts) == 4 and not re.search(rf"{parts[2]}/[^\n]*\b{parts[3]}\b", doc):
+            missing.append(name)
+        if len(parts) == 3 and _is_package(name, module_sources()) and f"{parts[2]}/" not in doc:
+            missing.append(name)
     assert missing == [], f"not placed in course_lib/__init__.py's docstring: {missing}"
 
 

@@ -5,7 +5,7 @@ from course_lib import run
 def _fsdp2_param_bytes():
     import torch
     from torch.distributed.fsdp import fully_shard
-    from course_lib.strategies import memory_meter as mm
+    from course_lib.measure import memory as mm
     torch.manual_seed(0)
     model = torch.nn.Linear(17, 257, bias=False)   # 257 rows over 4 ranks: 65, 64, 64, 64 rows
     fully_shard(model)

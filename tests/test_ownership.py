@@ -10,7 +10,7 @@ from course_lib.maths import memory
 from course_lib.maths import ownership
 from course_lib.maths import sharding
 from course_lib.maths.ownership import describe_flat, what_if
-from course_lib.strategies import describe
+from course_lib.measure import ownership as describe
 
 
 def test_docstrings_run():
@@ -133,7 +133,7 @@ def _fsdp2_specs():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from course_lib.strategies import describe
+    from course_lib.measure import ownership as describe
     out = []
     for mesh_shape, names in (((dist.get_world_size(),), None), ((2, 2), ("replicate", "shard"))):
         torch.manual_seed(0)

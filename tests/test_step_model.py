@@ -19,7 +19,7 @@ def test_units_match_the_torch_model(cfg):
     import torch
 
     from course_lib.models import TorchGPT
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     with torch.device("meta"):
         model = TorchGPT(cfg)
     assert gpt_units(cfg) == hsdp.unit_shapes(model)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.runtime import netns
-from course_lib.strategies.train_config import TrainConfig, write_run_record
+from course_lib.apps.train_config import TrainConfig, write_run_record
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -157,7 +157,7 @@ def test_resume_four_ranks_at_two(reference, tmp_path):
 ])
 def test_bad_configuration_fails_before_any_rank_trains(monkeypatch, capsys, world, flags, needles):
     import torch.distributed as dist
-    from course_lib import train
+    from course_lib.apps import train
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     assert train.main(flags) == 2
@@ -170,7 +170,7 @@ def test_bad_configuration_fails_before_any_rank_trains(monkeypatch, capsys, wor
 
 def test_checkpoint_of_another_model_is_refused_up_front(monkeypatch, capsys, tmp_path):
     import torch.distributed as dist
-    from course_lib import train
+    from course_lib.apps import train
     write_run_record(TrainConfig(world_size=4, d_model=66, n_layers=2, ckpt_dir=str(tmp_path)))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

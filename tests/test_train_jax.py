@@ -116,7 +116,7 @@ def test_resume_four_devices_at_two(reference, tmp_path):
     (["--batch", "6"], ["batch(6) % WORLD_SIZE(4) = 2", "--batch 4 or 8"]),
 ])
 def test_bad_mesh_fails_before_jax_starts(capsys, flags, needles):
-    from course_lib import train_jax
+    from course_lib.apps import train_jax
     argv = ["--cpu-devices", "2", "--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]
     assert train_jax.main(argv + flags) == 2          # a coordinator at port 1 would hang: it is never contacted
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (course_lib.strategies.zero) and measured memory (course_lib.strategies.memory_meter), on real gloo ranks.
+"""ZeRO stages 1-3 (course_lib.strategies.zero.torch) and measured memory (course_lib.measure.memory), on real gloo ranks.
 
 Awkward sizes (17x257, 257x5 without bias...) so that the flat units pad at N = 3 and 4. Each stage must:
 average gradients exactly like all_reduce(grad)/N, train like data parallel with the same Adam, hold
@@ -13,8 +13,8 @@ import torch
 from course_lib.maths import costs
 from course_lib import launch
 from course_lib.maths import memory
-from course_lib.strategies import memory_meter
-from course_lib.strategies import zero
+from course_lib.measure import memory as memory_meter
+from course_lib.strategies.zero import torch as zero
 from course_lib.maths.sharding import padded_size
 
 LR, STEPS = 1e-2, 3
@@ -46,10 +46,10 @@ def _train(strategy, units_kind):
     """On a rank: STEPS Adam steps; per step the averaged-gradient check, measured state; final weights."""
     import torch.distributed as dist
 
-    from course_lib.strategies import dp
-    from course_lib.strategies import zero
+    from course_lib.strategies.dp import torch as dp
+    from course_lib.strategies.zero import torch as zero
     from course_lib.comm import torch_ledger as lt
-    from course_lib.strategies import memory_meter as mm
+    from course_lib.measure import memory as mm
     r, n = dist.get_rank(), dist.get_world_size()
     model = _Net()
     if strategy == "dp":
@@ -187,7 +187,7 @@ def test_zero3_sends_one_and_a_half_times_dp(runs):
 def _flat_unit_roundtrip(sharded):
     import torch.distributed as dist
 
-    from course_lib.strategies import zero
+    from course_lib.strategies.zero import torch as zero
     r, n = dist.get_rank(), dist.get_world_size()
     model = _Net()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}

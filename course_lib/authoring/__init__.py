@@ -1,8 +1,8 @@
-"""Layer 10, authoring: derive labs/ from solutions/, validate notebooks, run them headless, the CLI.
+"""The authoring layer: derive labs/ from solutions/, validate notebooks, run them headless.
 
 :mod:`~course_lib.authoring.labs` (solution -> lab), :mod:`~course_lib.authoring.validate`,
-:mod:`~course_lib.authoring.run` (run-solutions and its one-screen table), :mod:`~course_lib.authoring.cli`
-(``python -m course_lib``). This package imports neither torch nor JAX.
+:mod:`~course_lib.authoring.run` (run-solutions and its one-screen table).
+This package imports neither torch nor JAX; ``python -m course_lib`` is :mod:`course_lib.apps.cli`.
 """
 from course_lib.authoring.labs import (DEFAULT_HINT, LAB_GLOB, MARKDOWN_STUB, STUB_COMMENT, AuthoringError, lab_text, make_lab, plan_labs, read_notebook,
                                        rel_path, stale_labs, transform_source, write_labs)

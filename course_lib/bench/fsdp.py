@@ -1,4 +1,4 @@
-"""Benchmark our from-scratch FSDP (:mod:`course_lib.strategies.fsdp`) against FSDP2 (``fully_shard``) and DDP.
+"""Benchmark our from-scratch FSDP (:mod:`course_lib.strategies.fsdp.scratch`) against FSDP2 (``fully_shard``) and DDP.
 
     python -m course_lib bench fsdp [--ranks 4] [--steps 20] [--warmup 3] [--batch 8]
                                     [--d-model 66] [--layers 3] [--d-ff 199] [--seq-len 31]
@@ -25,7 +25,7 @@ from course_lib.maths import costs
 from course_lib import launch
 from course_lib.maths import memory
 from course_lib.models import GPTConfig
-from course_lib.strategies.fsdp2 import IMPLEMENTATIONS, build
+from course_lib.strategies.fsdp.torch import IMPLEMENTATIONS, build
 
 def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: int, prefetch: bool = False,
                memory_steps: int = 2) -> dict:
@@ -38,7 +38,7 @@ def bench_rank(strategy: str, cfg: GPTConfig, steps: int, warmup: int, batch: in
 
     from course_lib.comm import torch_ledger as lt
     from course_lib.models.data import TokenTask
-    from course_lib.strategies.memory_meter import MemoryMeter, model_state
+    from course_lib.measure.memory import MemoryMeter, model_state
     from course_lib.launch import rank_info
     from course_lib.models import loss_fn
     info = rank_info()

@@ -51,7 +51,7 @@ def train_on_rank(cfg, batch: int, steps: int, compile_: bool, warmup: int = 3) 
 
     from course_lib.launch import rank_info
     from course_lib.models import TokenTask, TorchGPT, loss_fn, torch_init_
-    from course_lib.strategies.fsdp2 import shard_gpt
+    from course_lib.strategies.fsdp.torch import shard_gpt
     dev = torch.device(rank_info().device)
     cuda = dev.type == "cuda"
     torch.manual_seed(0)

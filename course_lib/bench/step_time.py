@@ -77,7 +77,7 @@ def _build(strategy: str, cfg, replicate: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from course_lib.models import torch_gpt
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     n = dist.get_world_size()
     if strategy == "plain":
         return torch_gpt(cfg, seed=0)
@@ -101,7 +101,7 @@ def time_steps_on_rank(strategy: str, cfg, local_batch: int, steps: int, warmup:
     torch.manual_seed(0)
     if strategy in ("zero1", "zero2"):      # Lab 02's ZeRO: a local model, the sharded Adam steps it
         from course_lib.models import torch_gpt
-        from course_lib.strategies.zero import ZeRO
+        from course_lib.strategies.zero.torch import ZeRO
         model = torch_gpt(cfg, seed=0)
         opt = ZeRO(model, int(strategy[-1]), units=[*model.blocks, model], lr=1e-3)
     else:
@@ -133,7 +133,7 @@ def _groups(n: int, replicate: int):
     """Rank side: {"world": None, "shard": my row group, "replicate": my column group} of an R x F mesh."""
     import torch.distributed as dist
 
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     out, r = {"world": None}, dist.get_rank()
     if 1 < replicate < n:
         for kind, groups in (("shard", hsdp.shard_groups(replicate, n // replicate)),

@@ -63,7 +63,7 @@ def profile_on_rank(cfg, local_batch: int, steps: int = 2, prefetch: str = "defa
     from course_lib.comm import torch_ledger as lt
     from course_lib.launch import rank_info
     from course_lib.models import TokenTask, TorchGPT, loss_fn, torch_init_
-    from course_lib.strategies.fsdp2 import shard_gpt
+    from course_lib.strategies.fsdp.torch import shard_gpt
     if prefetch not in PREFETCH:
         raise ValueError(f"prefetch={prefetch!r} must be one of {PREFETCH}")
     dev = torch.device(device or rank_info().device)   # device="cuda:0": gloo ranks sharing one GPU

@@ -74,7 +74,7 @@ def _train(kind: str, cfg, steps: int, warmup: int, batch: int, iface: str, loca
     from course_lib.maths import costs
     from course_lib.models import loss_fn
     from course_lib.models.data import TokenTask
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     r, n = dist.get_rank(), dist.get_world_size()
     nodes = n // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     mesh = init_device_mesh("cpu", (n,)) if kind == "fsdp" else hsdp.hsdp_mesh(nodes, n // nodes)
@@ -154,7 +154,8 @@ def jax_main(a) -> int:
     from course_lib.comm import jax_ledger
     from course_lib.maths import costs
     from course_lib.models.data import TokenTask
-    from course_lib.strategies import fsdp_jax, hsdp_jax
+    from course_lib.strategies.fsdp import jax as fsdp_jax
+    from course_lib.strategies.hsdp import jax as hsdp_jax
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg = models.GPTConfig(vocab_size=512, seq_len=16, d_model=64, n_heads=4, n_layers=2, d_ff=256)
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from course_lib.comm import torch_ledger as lt
     from course_lib.models import LAB_CONFIG
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     torch.set_num_threads(1)
     dist.init_process_group(lt.register(), timeout=datetime.timedelta(seconds=60))
     r, n = dist.get_rank(), dist.get_world_size()

@@ -12,7 +12,8 @@ import numpy as np
 
 from course_lib import checks
 from course_lib.maths.costs import wire_bytes
-from course_lib.strategies.collectives import RING_OPS
+from course_lib.comm.collectives import RING_OPS
+from course_lib.checks.registry import exercise
 
 __all__ = ["check_all_reduce", "check_ring_bytes", "check_jax_all_reduce", "HINTS"]
 
@@ -38,7 +39,6 @@ HINTS = {
         "jax.lax.psum_scatter(block, 'x', tiled=True), then jax.lax.all_gather(shard, 'x', tiled=True).",
     ],
 }
-checks.register_hints(HINTS)
 
 
 # -- exercise 1: all-reduce = reduce-scatter + all-gather, in torch on ranks -------------------------
@@ -82,6 +82,8 @@ def _ops(ledger, phase) -> list[str]:
     return [r.op for r in ledger.filter(phase=phase, rank=0)]
 
 
+@exercise("00", 'my_all_reduce', cell='def my_all_reduce(', hints=HINTS['my_all_reduce'],
+          mistakes={'averaged twice': 'averaged twice'})
 def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_all_reduce") -> bool:
     """Exercise check: ``fn(x, mean=False)`` on every rank equals ``dist.all_reduce(x)`` (÷N if mean),
     and is built from a reduce-scatter and an all-gather (read from the ledger)."""
@@ -151,6 +153,8 @@ def _diagnose(fn, op, v, n, got, exp) -> str:
     return "compare with the table above the exercise"
 
 
+@exercise("00", 'ring_bytes', cell='def ring_bytes(', hints=HINTS['ring_bytes'],
+          mistakes={"broadcast as the root's bytes": 'only the root sends all of V'})
 def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
     """Exercise check: ``fn(op, V, N)`` equals :func:`course_lib.maths.costs.wire_bytes` for the ring ops."""
     with checks.check(name, tests="the per-rank bytes of all four ring ops for N = 1, 2, 3, 4, 8 and several V") as c:
@@ -166,6 +170,8 @@ def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
 
 
 # -- exercise 3: the same composition in JAX, under shard_map --------------------------------------------
+@exercise("00", 'jax_all_reduce', cell='def jax_all_reduce(', hints=HINTS['jax_all_reduce'],
+          mistakes={'stacked gather': 'all_gather without tiled=True'})
 def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce") -> bool:
     """Exercise check: ``fn(block)`` under ``jax.shard_map`` over ``mesh``'s one axis equals the sum
     of all devices' blocks on every device, and compiles to a reduce-scatter and an all-gather."""

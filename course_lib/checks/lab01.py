@@ -1,7 +1,7 @@
 """Lab 01's exercise checks: each runs the learner's function (on gloo ranks, or under ``jax.shard_map``)
 and compares it with the single-process answer, naming the likely mistake (see :mod:`course_lib.checks`).
 
-The references they stand in for are in :mod:`course_lib.strategies.dp`.
+The references they stand in for are in :mod:`course_lib.strategies.dp.torch`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import checks as _checks
-from course_lib.strategies.dp import make_buckets
+from course_lib.strategies.dp.torch import make_buckets
+from course_lib.checks.registry import exercise
 
 __all__ = ["check_average_gradients", "check_make_buckets", "check_jax_dp_value_and_grad", "check_jax_device_key",
            "HINTS"]
@@ -77,6 +78,8 @@ def _grads_on_rank(fn, batch: int) -> dict:
             "local": local, "weights_same": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))}
 
 
+@exercise("01", 'average_gradients', cell='def average_gradients(', hints=HINTS['average_gradients'],
+          mistakes={'summed, not averaged': 'summed instead of averaging'})
 def check_average_gradients(fn, world_size: int = 4, batch: int = 12, name: str = "average_gradients") -> bool:
     """Exercise check: after ``fn(model)`` on every rank, each ``p.grad`` is the gradient of the whole
     batch (computed by one process), on every rank, for a 17x257x5 MLP."""
@@ -106,6 +109,8 @@ def check_average_gradients(fn, world_size: int = 4, batch: int = 12, name: str 
     return bool(c.passed)
 
 
+@exercise("01", 'make_buckets', cell='def my_make_buckets(', hints=HINTS['make_buckets'],
+          mistakes={'forward order': 'reverse'})
 def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy)."""
     from course_lib import checks
@@ -132,6 +137,8 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     return bool(c.passed)
 
 
+@exercise("01", 'dp_value_and_grad', cell='def dp_value_and_grad(', hints=HINTS['dp_value_and_grad'],
+          mistakes={'pmean of the gradient': 'jax.grad already psums'})
 def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bool:
     """Exercise check: ``fn(loss_fn, params, x, y)`` inside ``jax.shard_map`` over ``mesh``'s axis (batch
     sharded, params replicated, default ``check_vma``) returns the whole batch's loss and gradient on
@@ -177,6 +184,8 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
     return bool(c.passed)
 
 
+@exercise("01", 'device_key', cell='def device_key(', hints=HINTS['device_key'],
+          mistakes={'same key everywhere': 'drew the same mask'})
 def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
     """Exercise check: ``fn(key)`` inside ``shard_map`` gives device ``d`` the key ``fold_in(key, d)``."""
     import jax
@@ -203,4 +212,3 @@ def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
     return bool(c.passed)
 
 
-_checks.register_hints(HINTS)

@@ -2,8 +2,8 @@
 free. Each runs the learner's function (on gloo ranks where it communicates), compares it with the
 single-process answer and names the likely mistake (see :mod:`course_lib.checks`).
 
-The references they stand in for: :func:`course_lib.strategies.memory_meter.storage_bytes` and
-:class:`course_lib.strategies.zero.FlatUnit` (whose ``gather_``/``free_`` and the ``step`` of :class:`~course_lib.strategies.zero.ZeRO`).
+The references they stand in for: :func:`course_lib.measure.memory.storage_bytes` and
+:class:`course_lib.strategies.zero.torch.FlatUnit` (whose ``gather_``/``free_`` and the ``step`` of :class:`~course_lib.strategies.zero.torch.ZeRO`).
 The ZeRO checks use a 17x257 -> 257x5 MLP: 5,911 parameters, padded at every N > 1, and 12 rows of data
 (equal slices at N = 2, 3, 4).
 """
@@ -15,7 +15,8 @@ from torch import nn
 
 from course_lib import checks as _checks
 from course_lib.comm import torch_ledger
-from course_lib.strategies.zero import FlatUnit
+from course_lib.strategies.zero.torch import FlatUnit
+from course_lib.checks.registry import exercise
 
 __all__ = ["check_storage_bytes", "check_sharded_step", "check_gather_free", "HINTS"]
 
@@ -64,6 +65,8 @@ def _storage_cases() -> list[tuple[str, list, int]]:
     ]
 
 
+@exercise("02", 'storage_bytes', cell='def storage_bytes(', hints=HINTS['storage_bytes'],
+          mistakes={'views counted twice': 'counts views twice'})
 def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
     """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
     from course_lib import checks
@@ -150,6 +153,8 @@ class _overlap_watch:
             setattr(mod, attr, orig)
 
 
+@exercise("02", 'sharded_step', cell='def sharded_step(', hints=HINTS['sharded_step'],
+          mistakes={'gather into its own input': 'must not overlap'})
 def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
     """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
     averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters."""
@@ -207,6 +212,8 @@ def _gather_free_on_rank(gather, free) -> dict:
     return out
 
 
+@exercise("02", 'gather / free', cell='def gather(', hints=HINTS['gather / free'],
+          mistakes={'name dropped, storage kept': 'release it'})
 def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / free") -> bool:
     """Exercise check: ``gather(full, shard)`` refills the storage the parameters view and all-gathers
     into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
@@ -228,4 +235,3 @@ def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / f
     return bool(c.passed)
 
 
-_checks.register_hints(HINTS)

@@ -1,7 +1,7 @@
 """The exercise checks of Lab 03 (FSDP from scratch).
 
 Each check runs the learner's code (on real gloo ranks where collectives are involved), compares it
-with the reference (:mod:`course_lib.strategies.fsdp`, :mod:`course_lib.maths.sharding`, DDP) and reads the ledger to
+with the reference (:mod:`course_lib.strategies.fsdp.scratch`, :mod:`course_lib.maths.sharding`, DDP) and reads the ledger to
 see *how* the answer was computed, not only what it returned. Outcomes as in :mod:`course_lib.checks`:
 ✅ with a one-line summary, ⏳ for a stub, ❌ with the likely mistake.
 
@@ -10,8 +10,10 @@ so a forgotten pad or a wrong shard offset cannot pass by luck. Later cells of t
 learner's code in float64 and train with it, so the checks test dtypes too, and train with plain SGD
 (AdamW would normalise a gradient-scale error away).
 
-Longer than ~300 lines: four exercise checks, each with the diagnoses of its classic mistakes, sharing
-one training harness (DDP beside the learner's FSDP, gradients, ledger, prefetch plan).
+Exercises 3 and 4 train the learner's class beside DDP with :mod:`course_lib.checks.fsdp_harness`.
+
+Longer than ~300 lines: four exercise checks, each with the diagnoses of its classic mistakes (the
+training harness they share is its own module).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import numpy as np
 from course_lib import checks
 from course_lib.maths import costs
 from course_lib.maths.sharding import flat_layout, padded_size
-from course_lib.models import LAB_CONFIG
+from course_lib.checks.fsdp_harness import divided_twice, grads_match_ddp, ledger_matches_formula, train_beside_ddp
+from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "MEASURED", "check_flat_shard", "check_unshard_function", "check_fsdp_class", "check_prefetch"]
 
@@ -68,7 +71,6 @@ HINTS = {
         "nxt.unshard(async_op=True)",
     ],
 }
-checks.register_hints(HINTS)
 
 #: What the last passing checks measured, for the lab's prediction cells (e.g. "Unshard wire bytes").
 MEASURED: dict[str, float] = {}
@@ -109,6 +111,8 @@ def _per_tensor_padded(tensors, world: int) -> np.ndarray:
 
 
 # -- Lab 03, exercise 1: flatten, concatenate, pad, keep one shard (pure, no ranks) ------------------
+@exercise("03", 'flat_shard', cell='def flat_shard(', hints=HINTS['flat_shard'], tests=TESTS['flat_shard'],
+          mistakes={'no padding': 'pad the flat buffer with zeros'})
 def check_flat_shard(fn, name: str = "flat_shard") -> bool:
     """``fn(tensors, rank, world) -> 1-D tensor``: this rank's shard of the padded flat parameter."""
     import torch
@@ -174,7 +178,7 @@ def _unit_on_rank(fn_cls, dtype_name: str):
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
-    from course_lib.strategies.fsdp import FlatParameter
+    from course_lib.strategies.fsdp.scratch import FlatParameter
     r, n = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)                               # the same module on every rank
@@ -217,6 +221,8 @@ def _dtype_failure(exc) -> str | None:
     return None
 
 
+@exercise("03", 'Unshard', cell='class Unshard(', hints=HINTS['Unshard'], tests=TESTS['Unshard'],
+          mistakes={'dtype dropped': 'allocated without dtype='})
 def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -> bool:
     """``fn_cls.apply(sharded, flat)``: forward all-gathers the padded flat buffer (flat UNSHARDED);
     backward reduce-scatters the gradient and divides by N (flat SHARDED again); in float32 and float64."""
@@ -241,7 +247,7 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
                 raise AssertionError(f"rank {r}: flat.sharded.grad is None\n   likely mistake: backward must "
                                      "return the gradient shard as its first output (and None for `flat`)")
             checks.assert_close(f"{name}.backward: gradient shard on rank {r}", out[r]["grad"], out[r]["grad_ref"],
-                                rtol=1e-5, atol=1e-6, hint=[checks.summed_not_averaged(n), _divided_twice(n),
+                                rtol=1e-5, atol=1e-6, hint=[checks.summed_not_averaged(n), divided_twice(n),
                                                              _full_not_shard(out[r]["grad_ref"])])
         if out[0]["state_bwd"] != "SHARDED":
             raise AssertionError("the gradient is right, but the flat is still UNSHARDED after backward\n   likely "
@@ -271,14 +277,6 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
     return bool(c.passed)
 
 
-def _divided_twice(n: int):
-    def detect(got, exp):
-        if np.any(exp != 0) and np.allclose(got, exp / n, rtol=1e-4, atol=1e-7):
-            return (f"got is the mean ÷{n} again → you divided twice (ReduceOp.AVG and then ÷N, or ÷N twice); "
-                    "the reduce-scatter sums, divide once")
-    return detect
-
-
 def _full_not_shard(_):
     def detect(got, exp):
         if got.size != exp.size:
@@ -286,168 +284,20 @@ def _full_not_shard(_):
     return detect
 
 
-# -- Lab 03, exercise 3 and 4: the unit lifecycle, then prefetch -------------------------------------
-def _train_on_rank(cls, cfg, steps: int, batch: int, kwargs: dict, log_prefetch: bool = False):
-    import torch.distributed as dist
-
-    from course_lib.models.data import TokenTask
-    from course_lib.strategies import fsdp
-    from course_lib.strategies.fsdp import State
-    r, n = dist.get_rank(), dist.get_world_size()
-    task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
-    out, events = {}, []
-    if log_prefetch:   # which gathers are started where: the plan of a prefetch, beside its bytes
-        real_unshard, current = fsdp.FlatParameter.unshard, []
-
-        def unshard(self, async_op=False):
-            if self.state is State.SHARDED and self._pending is None:
-                events.append((current[-1] if current else None, self.name or "root", bool(async_op)))
-            return real_unshard(self, async_op)
-        fsdp.FlatParameter.unshard = unshard
-    try:
-        _train_both(cls, cfg, steps, batch, kwargs, log_prefetch, task, r, n, out, current if log_prefetch else None,
-                    events)
-    finally:
-        if log_prefetch:
-            fsdp.FlatParameter.unshard = real_unshard   # the ranks are reused: leave no patch behind
-    out["events"] = events
-    out.pop("ddp_grads", None)
-    return out
-
-
-def _train_both(cls, cfg, steps, batch, kwargs, log_prefetch, task, r, n, out, current, events):
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from course_lib.comm import torch_ledger as lt
-    from course_lib.models import loss_fn, torch_gpt
-    from course_lib.strategies.fsdp import State
-    for kind in ("ddp", "fsdp"):
-        model = torch_gpt(cfg, seed=0)
-        m = DDP(model) if kind == "ddp" else cls(model, list(model.blocks), **kwargs)
-        if kind == "fsdp" and log_prefetch:
-            for phase in ("pre_forward", "post_forward"):
-                def wrapped(flat, f=getattr(m, phase), phase=phase):
-                    current.append(f"{phase}:{flat.name or 'root'}")
-                    try:
-                        return f(flat)
-                    finally:
-                        current.pop()
-                setattr(m, phase, wrapped)
-        opt = torch.optim.SGD(m.parameters(), lr=0.3)   # SGD: a wrong gradient scale shows in the losses
-        losses, states = [], []
-        for s in range(steps):
-            events.clear()                        # the prefetch plan of the last step
-            x, y = (torch.from_numpy(a) for a in task.rank_batch(s, batch, r, n))
-            with (lt.phase("forward", step=s) if kind == "fsdp" else lt.paused()):
-                loss = loss_fn(m(x), y)
-                loss.backward()                   # labelled "backward" by the ledger itself
-            if s == 0 and kind == "ddp":
-                out["ddp_grads"] = {k.removeprefix("module."): p.grad.detach().clone() for k, p in m.named_parameters()}
-            if s == 0 and kind == "fsdp":
-                got, want = [], []
-                for f in m.flats:
-                    g = torch.cat([out["ddp_grads"][k].reshape(-1) for k in f.fqns] + [torch.zeros(f.layout.padding)])
-                    b = f.layout.shards[r]
-                    want.append(g[b.start:b.stop])
-                    got.append(f.sharded.grad.detach().clone() if f.sharded.grad is not None else None)
-                out["grads"], out["grads_ref"] = got, want
-            opt.step()
-            opt.zero_grad()
-            losses.append(lt.unrecorded_mean(loss))
-            if kind == "fsdp":
-                states.append(sorted({f.state.name for f in m.flats}))
-        out[kind] = losses
-        if kind == "fsdp":
-            out.update(states=states, units=m.unit_shapes(), flats=[f.unsharded_bytes for f in m.flats],
-                       peak=m.unsharded_peak_bytes, left=[f.state is State.UNSHARDED for f in m.flats],
-                       names=[f.name or "root" for f in m.flats])
-
-
-#: Errors the FlatFSDP plumbing (or torch) raises for a wrong lifecycle: (type, text, likely mistake).
-_PLUMBING = [
-    ("RuntimeError", "pre_forward left unit", "pre_forward must gather the unit (through your Unshard, so that "
-                                              "its gradient reaches the shard) before the unit runs"),
-    ("AttributeError", "'NoneType' object has no attribute 'as_strided'",
-     "the backward found a unit marked UNSHARDED without its buffer: free it with flat.reshard(), which also "
-     "sets the state back to SHARDED (flat.unsharded = None alone leaves it UNSHARDED, so nothing gathers it again)"),
-    ("AttributeError", "object has no attribute 'weight'", "the unit's modules have no weights while it runs: pre_forward must "
-                                           "point them at views of the gathered buffer (flat.set_views(full))"),
-    ("RuntimeError", "pre_backward left unit", "pre_backward must gather the unit again (flat.unshard()): "
-                                               "post_forward freed it and the backward needs its weights"),
-    ("RuntimeError", "does not require grad", "the gather in pre_forward did not go through the autograd "
-                                              "Function (gather.apply(flat.sharded, flat)), so the loss has no "
-                                              "path back to the shards"),
-]
-
-
-def _run_fsdp(cls, world_size, steps, kwargs=None, log_prefetch=False):
-    from course_lib.launch import run
-    try:
-        return run(_train_on_rank, cls, LAB_CONFIG, steps, 8, kwargs or {}, log_prefetch, world_size=world_size)
-    except Exception as e:  # noqa: BLE001 - the plumbing's own diagnoses become a ❌ with the reason
-        text, kind = str(e), getattr(e, "exc_type", "")
-        for etype, says, why in _PLUMBING:
-            if kind == etype and says in text:
-                first = text.split("\n")[0].split(": ", 1)[-1]
-                raise AssertionError(f"on rank {e.rank}: {first}\n   likely mistake: {why}") from None
-        raise
-
-
-def _check_grads(o, name, n):
-    if any(g is None for g in o["grads"]):
-        units = [u for u, g in zip(o["names"], o["grads"]) if g is None]
-        raise AssertionError(f"after the first backward the shards of {units} have no gradient\n   likely "
-                             "mistake: the gather in pre_forward did not go through the autograd Function "
-                             "(gather.apply(flat.sharded, flat)), so autograd never reaches the shard")
-    for u, g, e in zip(o["names"], o["grads"], o["grads_ref"]):
-        checks.assert_close(f"{name}: step 0 gradient shard of unit {u} vs DDP's (rank 0)", g, e, rtol=1e-4, atol=1e-6,
-                            hint=[checks.summed_not_averaged(n), _divided_twice(n)])
-
-
-def _check_ledger(led, units, n, steps, reshard=True):
-    k = len(units)
-    for s in range(steps):
-        one = led.filter(step=s)
-        fwd = one.filter(op="all_gather", phase="forward").counts().get("all_gather", 0)
-        bwd = one.filter(op="all_gather", phase="backward").counts().get("all_gather", 0)
-        rs = one.filter(op="reduce_scatter").counts().get("reduce_scatter", 0)
-        other = {op: c for op, c in one.counts().items() if op not in ("all_gather", "reduce_scatter")}
-        want_bwd = k if reshard else 0
-        if other:
-            raise AssertionError(f"step {s}: unexpected collectives {other}; FSDP needs only all-gathers and "
-                                 "reduce-scatters")
-        if (fwd, bwd, rs) != (k, want_bwd, k):
-            why = ""
-            if bwd == 0 and reshard:
-                why = ("no all-gather in backward: the units were never freed after forward → post_forward "
-                       "must call flat.reshard(), and pre_backward gather them again")
-            elif fwd > k or bwd > want_bwd:
-                why = "a unit is gathered more than once per pass → gather only when the flat is SHARDED"
-            elif rs != k:
-                why = "one reduce-scatter per unit per step: the gradient of each flat parameter"
-            raise AssertionError(f"step {s} on rank 0: {fwd} all-gathers in forward, {bwd} in backward, {rs} "
-                                 f"reduce-scatters; expected {k}, {want_bwd}, {k} for {k} units"
-                                 + (f"\n   likely mistake: {why}" if why else ""))
-    analytic = costs.step_cost("fsdp", units, n, padding="flat", reshard_after_forward=reshard)
-    measured = costs.ledger_wire_bytes(led.filter(step=steps - 1))
-    if abs(costs.ratio(measured, analytic.wire_bytes) - 1) > 1e-12:
-        raise AssertionError(f"rank 0 sent {measured:,.0f} wire bytes in one step, the formula "
-                             f"3(N-1)/N·Ψpad·4 says {analytic.wire_bytes:,.0f}")
-    return analytic
-
-
+# -- Lab 03, exercise 3 and 4: the unit lifecycle, then prefetch (trained by checks.fsdp_harness) --
+@exercise("03", 'MyFSDP', cell='class MyFSDP(', hints=HINTS['MyFSDP'], tests=TESTS['MyFSDP'],
+          mistakes={"crash in the learner's code": 'your code raised'})
 def check_fsdp_class(cls, world_size: int = 4, steps: int = 3, name: str = "MyFSDP") -> bool:
     """``cls(model, units)`` trains the lab's GPT: DDP's gradients and losses, FSDP's ledger, units freed."""
     with checks.check(name, tests=TESTS[name]) as c:
-        out = _run_fsdp(cls, world_size, steps)
+        out = train_beside_ddp(cls, world_size, steps)
         o = out[0]
         if any(o["left"]):
             raise AssertionError("after the step some units are still UNSHARDED\n   likely mistake: post_forward "
                                  "must call flat.reshard() (and Unshard.backward frees the unit after its backward)")
-        _check_grads(o, name, world_size)
+        grads_match_ddp(o, name, world_size)
         checks.assert_close(f"{name} losses vs DDP ({steps} SGD steps)", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
-        analytic = _check_ledger(out.ledger.filter(rank=0), o["units"], world_size, steps)
+        analytic = ledger_matches_formula(out.ledger.filter(rank=0), o["units"], world_size, steps)
         c.ok(f"DDP's gradients and losses over {steps} steps; per step {len(o['units'])} all-gathers forward + "
              f"{len(o['units'])} backward + {len(o['units'])} reduce-scatters = {analytic.wire_bytes:,.0f} wire "
              "bytes, the formula exactly")
@@ -486,16 +336,18 @@ def _check_prefetch_plan(events, names):
                                  "mistake: nxt.unshard(async_op=True) starts it and returns at once")
 
 
+@exercise("03", 'prefetch', cell='class Prefetching(', hints=HINTS['prefetch'], tests=TESTS['prefetch'],
+          mistakes={'synchronous prefetch': 'async_op=False'})
 def check_prefetch(cls, world_size: int = 4, steps: int = 2, name: str = "prefetch") -> bool:
     """``cls(model, units)`` prefetches the next unit: same losses and bytes, the next unit's all-gather
     started asynchronously in the current unit's pre_forward, root + two blocks unsharded at the peak."""
     with checks.check(name, tests=TESTS[name]) as c:
-        out = _run_fsdp(cls, world_size, steps, log_prefetch=True)
+        out = train_beside_ddp(cls, world_size, steps, log_prefetch=True)
         o = out[0]
-        _check_grads(o, name, world_size)
+        grads_match_ddp(o, name, world_size)
         checks.assert_close(f"{name} losses vs DDP", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
         _check_prefetch_plan(o["events"], o["names"])
-        _check_ledger(out.ledger.filter(rank=0), o["units"], world_size, steps)
+        ledger_matches_formula(out.ledger.filter(rank=0), o["units"], world_size, steps)
         root, blocks = o["flats"][0], sorted(o["flats"][1:])
         want = root + sum(blocks[-2:])
         if o["peak"] != want:

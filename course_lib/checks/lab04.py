@@ -10,6 +10,7 @@ from __future__ import annotations
 from course_lib import checks
 from course_lib.maths import costs
 from course_lib.models import LAB_CONFIG, GPTConfig
+from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "MEASURED", "check_shard_model", "check_prefetch_plan"]
 
@@ -31,7 +32,6 @@ HINTS = {
         "block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])",
     ],
 }
-checks.register_hints(HINTS)
 
 #: What the last passing checks measured, for the lab's prediction cells.
 MEASURED: dict[str, float] = {}
@@ -91,6 +91,8 @@ def _run_shard(fn, world_size):
         raise
 
 
+@exercise("04", 'shard_model', cell='def shard_model(', hints=HINTS['shard_model'], tests=TESTS['shard_model'],
+          mistakes={'root only': 'call fully_shard(block) on every block'})
 def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> bool:
     """``fn(model, mesh)`` applies ``fully_shard`` over ``mesh`` to every block, then to the root."""
     with checks.check(name, tests=TESTS[name]) as c:
@@ -141,7 +143,7 @@ def _plan_on_rank(fn, cfg, depth):
 
     from course_lib.launch import rank_info
     from course_lib.models import TorchGPT
-    from course_lib.strategies.fsdp2 import shard_gpt
+    from course_lib.strategies.fsdp.torch import shard_gpt
     with torch.device("meta"):
         model = TorchGPT(cfg)
     shard_gpt(model, init_device_mesh(rank_info().device.split(":")[0], (dist.get_world_size(),)))
@@ -170,6 +172,8 @@ def _plan_mistake(i: int, got: list, want: list, depth: int, L: int, backward: b
             else "the next `depth` blocks, in execution order, none past the last")
 
 
+@exercise("04", 'set_prefetch', cell='def set_prefetch(', hints=HINTS['set_prefetch'], tests=TESTS['set_prefetch'],
+          mistakes={'backward in forward order': 'backward runs the blocks in reverse'})
 def check_prefetch_plan(fn, depth: int = 2, world_size: int = 4, name: str = "set_prefetch") -> bool:
     """``fn(model, depth)``: block i prefetches blocks i+1..i+depth in forward, i-1..i-depth in backward."""
     from course_lib.launch import run

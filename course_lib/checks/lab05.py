@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import checks
-from course_lib.strategies.fsdp_jax import AXIS, MIN_SIZE, gather_vjp
+from course_lib.strategies.fsdp.jax import AXIS, MIN_SIZE, gather_vjp
+from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "check_spec_rule", "check_gather_pair"]
 
@@ -30,7 +31,6 @@ HINTS = {
         "jax.lax.psum_scatter(g_full, 'fsdp', scatter_dimension=dim, tiled=True)",
     ],
 }
-checks.register_hints(HINTS)
 
 TESTS = {
     "fsdp_spec": "11 shapes: kernels, biases, a size exactly at min_size, dimensions 8 does not divide, 3-D, "
@@ -62,6 +62,8 @@ _SPEC_CASES = [  # (shape, n, min_size, expected tuple, what it tests)
 ]
 
 
+@exercise("05", 'fsdp_spec', cell='def my_fsdp_spec(', hints=HINTS['fsdp_spec'], tests=TESTS['fsdp_spec'],
+          mistakes={'cut that does not divide': 'does not divide'})
 def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
     """Exercise check: ``fn(shape, n, min_size=...)`` returns the PartitionSpec :func:`fsdp_spec` gives."""
     from jax.sharding import PartitionSpec
@@ -121,6 +123,8 @@ def _divided_in_backward(n: int):
     return detect
 
 
+@exercise("05", 'gather_pair', cell='def gather_weight(', hints=HINTS['gather_pair'], tests=TESTS['gather_pair'],
+          mistakes={'psum instead of psum_scatter': 'psum sums but does not scatter'})
 def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
     """Exercise check: ``gather_vjp(fwd, bwd)`` under shard_map gives every device the full weight, and
     the gradient shards of the global mean loss (what one device computes with the whole batch)."""

@@ -4,11 +4,14 @@ choosing the sharding factor F for a memory budget and two link speeds, and the 
 The mesh check runs the learner's code on 8 gloo ranks as (replicate 2, shard 4) -- unequal factors, so that
 swapped axes cannot pass by symmetry -- and reads the placements *and* the ledger (which group each
 collective ran over). The others are pure: several cases each, awkward ones included (F = 1, F = N).
+
+Longer than ~300 lines: four exercise checks, each with its cases and the diagnoses of its classic mistakes.
 """
 from __future__ import annotations
 
 from course_lib import checks
 from course_lib.models import LAB_CONFIG
+from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "check_hsdp_shard", "check_axis_bytes", "reference_axis_bytes", "check_choose_f",
            "reference_choose_f", "check_tp_spec", "tp_spec_mistake"]
@@ -48,7 +51,6 @@ HINTS = {
         "return P('fsdp', 'tensor'); else: return fsdp_jax.fsdp_spec(shape, fsdp, min_size=min_size)",
     ],
 }
-checks.register_hints(HINTS)
 
 
 # -- exercise 1: the 2-D mesh and the placements ------------------------------------------------------------
@@ -81,10 +83,12 @@ def _shard_on_rank(fn, replicate: int, shard: int):
     return out
 
 
+@exercise("06", 'shard_hsdp', cell='def shard_hsdp(', hints=HINTS['shard_hsdp'],
+          mistakes={'axes swapped': 'axes are swapped', '1-D mesh': '1-D mesh', 'root never sharded': 'the root was never sharded'})
 def check_hsdp_shard(fn, name: str = "shard_hsdp", replicate: int = 2, shard: int = 4) -> bool:
     """``fn(model, replicate, shard) -> mesh``: HSDP on the course GPT, run on ``replicate · shard`` ranks."""
     from course_lib.launch import run
-    from course_lib.strategies import hsdp
+    from course_lib.strategies.hsdp import torch as hsdp
     n = replicate * shard
     with checks.check(name, tests=f"on {n} ranks as replicate={replicate}, shard={shard}: a mesh of shape "
                       f"({replicate}, {shard}), every parameter a DTensor (Replicate(), Shard(0)), one unit "
@@ -169,6 +173,8 @@ def _axis_mistake(fn, psi, R, F, got) -> str | None:
         return None
 
 
+@exercise("06", 'axis_bytes', cell='def axis_bytes(', hints=HINTS['axis_bytes'],
+          mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again', 'half an all-reduce': 'half an all-reduce'})
 def check_axis_bytes(fn, name: str = "axis_bytes") -> bool:
     """``fn(psi_pad, replicate, shard, b=4) -> {"shard": bytes, "replicate": bytes}`` per rank per step."""
     with checks.check(name, tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
@@ -214,6 +220,8 @@ _F_CASES = [  # (psi, world, per_node, budget bytes, bw_intra, bw_inter) -> the 
 ]
 
 
+@exercise("06", 'choose_f', cell='def choose_f(', hints=HINTS['choose_f'],
+          mistakes={'plain FSDP': 'plain FSDP', 'time not compared': 'predicted time'})
 def check_choose_f(fn, name: str = "choose_f") -> bool:
     """``fn(psi, world, per_node, budget, bw_intra, bw_inter) -> F or None``."""
     with checks.check(name, tests="6 clusters and budgets: the F that fits 16Ψ/F in the budget and moves a step's "
@@ -274,14 +282,16 @@ _TP_CASES = [((64, 192), 4, 2), ((256, 64), 4, 2), ((512, 64), 2, 4), ((64, 256)
              ((64,), 4, 2), ((16, 8), 4, 2), ((64, 6), 4, 4)]
 
 
+@exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'],
+          mistakes={'cut over both axes on dim 0': 'over both axes', 'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays'})
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
-    """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`hsdp_jax.fsdp_tp_spec`."""
+    """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
     from jax.sharding import PartitionSpec as P
-    from course_lib.strategies import hsdp_jax
+    from course_lib.strategies.tp import jax as tp_jax
     with checks.check(name, tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor'), what cannot be "
                       "cut that way falls back to FSDP over 'fsdp', small arrays replicated") as c:
         for shape, F, T in _TP_CASES:
-            want = hsdp_jax.fsdp_tp_spec(shape, F, T)
+            want = tp_jax.fsdp_tp_spec(shape, F, T)
             got = fn(shape, F, T)
             if got == want:
                 continue

@@ -10,6 +10,7 @@ import tempfile
 
 from course_lib import checks
 from course_lib.models import GPTConfig
+from course_lib.checks.registry import exercise
 
 __all__ = ["CKPT_CONFIG", "HINTS", "TESTS", "check_app_state", "check_load_resharded", "check_restore_target"]
 
@@ -48,7 +49,6 @@ HINTS = {
 }
 
 
-checks.register_hints(HINTS)
 
 #: What each check verifies, said in its ⏳ line.
 TESTS = {
@@ -70,7 +70,7 @@ def _app_state_on_rank(cls, cfg, root, before: int = 3, after: int = 2):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from course_lib.strategies import checkpoint as ck
+    from course_lib.strategies.checkpoint import torch as ck
     r = dist.get_rank()
     torch.manual_seed(1000 + r)                                   # each rank its own dropout stream
     model, opt, sched, data = ck.resumable_run(cfg, seed=0)
@@ -99,6 +99,8 @@ def _app_state_on_rank(cls, cfg, root, before: int = 3, after: int = 2):
     return out
 
 
+@exercise("07", 'AppState', cell='class AppState:', hints=HINTS['AppState'], tests=TESTS['AppState'],
+          mistakes={'optimizer not restored': "optimizer state (Adam's m, v, step) not restored", 'schedule not restored': 'the schedule is not restored', 'data restarts': 'the data stream restarts from the beginning', 'RNG not restored': 'RNG state not restored'})
 def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
     """``cls(model, optimizer, scheduler, data)`` is a DCP Stateful after which a resume is bit-exact."""
     from course_lib.launch import run
@@ -137,7 +139,7 @@ def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
 def _save_on_rank(cfg, path, steps: int = 2):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from course_lib.strategies import checkpoint as ck
+    from course_lib.strategies.checkpoint import torch as ck
     model, opt, sched, data = ck.resumable_run(cfg, seed=0)
     for _ in range(steps):
         ck.train_step(model, opt, sched, data)
@@ -148,7 +150,7 @@ def _save_on_rank(cfg, path, steps: int = 2):
 
 def _load_on_rank(fn, cfg, path):
     import torch
-    from course_lib.strategies import checkpoint as ck
+    from course_lib.strategies.checkpoint import torch as ck
     model, opt, _, _ = ck.resumable_run(cfg, seed=1)
     init = ck.full_state(model)
     try:
@@ -161,6 +163,8 @@ def _load_on_rank(fn, cfg, path):
     return {"state": got, "init": all(torch.equal(init[k], got[k]) for k in init)}
 
 
+@exercise("07", 'load_resharded', cell='def load_resharded(', hints=HINTS['load_resharded'], tests=TESTS['load_resharded'],
+          mistakes={'optimizer not restored': 'optimizer state not restored', 'checkpoint never read': 'the checkpoint was never read into them'})
 def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2, name: str = "load_resharded") -> bool:
     """``fn(model, optimizer, path)`` loads a ``{"model", "optim"}`` DCP checkpoint saved at another world size
     into an FSDP2 model + AdamW: weights and optimizer state bit-identical."""
@@ -207,14 +211,16 @@ def _norm(spec) -> tuple:
     return t[:max([i + 1 for i, a in enumerate(t) if a is not None], default=0)]
 
 
+@exercise("07", 'restore_target', cell='def restore_target(', hints=HINTS['restore_target'], tests=TESTS['restore_target'],
+          mistakes={'no sharding in the target': 'has no sharding', 'saved sharding': "that is the saved array's own sharding", 'whole array': 'the whole array (N× the memory)'})
 def check_restore_target(fn, devices, name: str = "restore_target") -> bool:
     """``fn(state, mesh)`` returns Orbax restore targets: ShapeDtypeStructs with the FSDP rule's
     NamedSharding on ``mesh``. Saves a small state on 8 devices, restores onto 4 and 1."""
     import jax
     import numpy as np
     from jax.sharding import AxisType, NamedSharding
-    from course_lib.strategies import checkpoint_jax as cj
-    from course_lib.strategies.fsdp_jax import fsdp_spec
+    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.strategies.fsdp.jax import fsdp_spec
 
     def mesh_of(n):
         return jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,), devices=list(devices)[:n])
@@ -238,8 +244,8 @@ def check_restore_target(fn, devices, name: str = "restore_target") -> bool:
 
 def _restore_onto(fn, mngr, state, host, mesh_of):
     import jax
-    from course_lib.strategies import checkpoint_jax as cj
-    from course_lib.strategies.fsdp_jax import fsdp_spec
+    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.strategies.fsdp.jax import fsdp_spec
     for n in (4, 1):
         mesh = mesh_of(n)
         target = fn(state, mesh)

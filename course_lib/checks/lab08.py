@@ -11,6 +11,7 @@ import math
 from course_lib import checks
 from course_lib.maths import planner, step_model
 from course_lib.maths.costs import AlphaBeta
+from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "hint", "REFERENCE_CAL", "reference_step_seconds", "check_step_seconds",
            "reference_compute_bound_batch", "check_compute_bound_batch", "EX3_CLUSTER", "EX3_BUDGET",
@@ -110,6 +111,8 @@ def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
     }
 
 
+@exercise("08", 'step_seconds', cell='def step_seconds(', hints=HINTS['step_seconds'],
+          mistakes={'α left out': 'left out α'})
 def check_step_seconds(fn, name: str = "step_seconds") -> bool:
     """``fn(strategy, cost, flops, compute, comm, gamma)`` returns the model's step time in seconds."""
     with checks.check(name, tests="DP, FSDP, HSDP 2x2 and FSDP on 2 ranks, with fixed calibration numbers: your "
@@ -158,6 +161,7 @@ def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointi
     return lo
 
 
+@exercise("08", 'compute_bound_batch', cell='def compute_bound_batch(', hints=HINTS['compute_bound_batch'])
 def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
     """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
     with checks.check(name, tests="four model x cluster cases: the smallest batch per GPU at which the planner says "
@@ -207,6 +211,7 @@ def reference_plan_70b(cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> dict:
     return best
 
 
+@exercise("08", 'plan_70b', cell='def plan_70b(', hints=HINTS['plan_70b'])
 def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> bool:
     """``answer`` (a dict, or a function returning one): strategy, batch, checkpointing, replicate and your own
     estimate ``memory_bytes`` of one GPU's memory. It must fit ``budget`` and the estimate must be right."""

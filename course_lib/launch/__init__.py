@@ -1,4 +1,4 @@
-"""Layer 4, launch: run a function defined in a notebook cell on N ranks, get every rank's result.
+"""The launch layer: run a function defined in a notebook cell on N ranks, get every rank's result.
 
 Modules: :mod:`~course_lib.launch.pool` (the notebook side: fork server, rank pool, ``run``) and
 :mod:`~course_lib.launch.rank` (what runs inside each rank process), :mod:`~course_lib.launch.results`

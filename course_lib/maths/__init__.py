@@ -1,4 +1,4 @@
-"""Layer 3, maths: pure functions, no process group, no torch, no JAX.
+"""The maths layer: pure functions, no process group, no torch, no JAX.
 
 Modules: :mod:`~course_lib.maths.strategy` (which strategy shards what: the one table),
 :mod:`~course_lib.maths.sharding` (padding, shard bounds), :mod:`~course_lib.maths.costs` (bytes a

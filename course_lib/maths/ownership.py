@@ -6,9 +6,9 @@ result, an :class:`OwnershipSpec`:
 * :func:`what_if` -- a description: parameter shapes, ``world_size`` (or an HSDP ``mesh_shape``),
   a strategy (``dp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp``, ``hsdp``). Nothing runs.
 * :func:`describe_flat` -- our from-scratch FSDP's flat units (lab 03): the FSDP paper's FlatParameter.
-* :func:`course_lib.strategies.describe.describe_torch` -- a real FSDP2 model, called ON A RANK inside
+* :func:`course_lib.measure.ownership.describe_torch` -- a real FSDP2 model, called ON A RANK inside
   ``course_lib.run``: reads every DTensor's placements and mesh; returns plain picklable data.
-* :func:`course_lib.strategies.describe.describe_jax` -- a pytree of ``jax.Array`` (e.g.
+* :func:`course_lib.measure.ownership.describe_jax` -- a pytree of ``jax.Array`` (e.g.
   ``nnx.state(model)``), from each array's ``sharding.devices_indices_map``.
 
 Vocabulary is :mod:`course_lib.maths.sharding`'s. A **bar** is one parameter (``dim0`` layout, FSDP2) or one

@@ -47,7 +47,7 @@ def _block_shapes(cfg) -> list[tuple[int, ...]]:
 def gpt_units(cfg) -> list[list[tuple[int, ...]]]:
     """The course GPT's FSDP units from its sizes (any object with ``vocab_size, seq_len, d_model,
     n_layers, d_ff``, e.g. ``GPTConfig``): the root's own parameters (tok_emb, pos_emb, ln_f, head), then
-    each block's, in ``state_dict`` order -- what :func:`course_lib.strategies.hsdp.unit_shapes` reads off
+    each block's, in ``state_dict`` order -- what :func:`course_lib.strategies.hsdp.torch.unit_shapes` reads off
     a model (the tests hold the two equal). Computed here so that this module needs no torch."""
     V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
     return [[(V, C), (T, C), (C,), (C,), (V, C)]] + [_block_shapes(cfg) for _ in range(cfg.n_layers)]

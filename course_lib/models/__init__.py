@@ -1,4 +1,4 @@
-"""Layer 5, models and data: the course GPT in torch and Flax NNX from one set of weights, and the token task.
+"""The models layer, models and data: the course GPT in torch and Flax NNX from one set of weights, and the token task.
 
 Modules: :mod:`~course_lib.models.config` (sizes, NumPy weights), :mod:`~course_lib.models.torch_gpt`,
 :mod:`~course_lib.models.flax_gpt` (JAX imported on first use), :mod:`~course_lib.models.data`

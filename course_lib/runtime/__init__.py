@@ -1,4 +1,5 @@
-"""Layer 1, runtime: which devices there are, which backend to use, JAX's simulated devices.
+"""The runtime layer: which devices there are, which backend to use, JAX's simulated devices.
 
-Modules: :mod:`~course_lib.runtime.devices`. Imports nothing else of course_lib.
+Modules: :mod:`~course_lib.runtime.devices`, :mod:`~course_lib.runtime.netns` (two "nodes" on one machine).
+Imports nothing else of course_lib.
 """

@@ -1,9 +1,24 @@
-"""Layer 6, strategies: the training strategies the labs build, as reference implementations.
+"""The strategies layer: the training strategies the labs build, as reference implementations, one folder
+per parallelism, torch and JAX side by side.
 
-Naive and real side by side: :mod:`~course_lib.strategies.collectives` (all-reduce from its halves),
-:mod:`~course_lib.strategies.dp` (DP by hand, then bucketed), :mod:`~course_lib.strategies.zero`
-(ZeRO-1/2/3), :mod:`~course_lib.strategies.fsdp` (FSDP from scratch), :mod:`~course_lib.strategies.fsdp2`
-(torch's ``fully_shard`` on the course GPT), :mod:`~course_lib.strategies.fsdp_jax` (JAX/Flax NNX),
-plus instruments used on ranks: :mod:`~course_lib.strategies.memory_meter` (measured bytes) and
-:mod:`~course_lib.strategies.describe` (ownership of real sharded models).
+=============  ==============================================  ===================  ======
+folder         what it teaches                                 modules              lab
+=============  ==============================================  ===================  ======
+``dp/``        data parallel by hand, then bucketed            ``torch``            01
+``zero/``      ZeRO-1/2/3: the road from DP to FSDP            ``torch``            02
+``fsdp/``      FSDP from scratch, FSDP2, FSDP in JAX           ``scratch``,         03-05
+                                                               ``torch``, ``jax``
+``hsdp/``      hybrid sharding: a 2-D (replicate × shard)      ``torch``, ``jax``   06
+               mesh
+``tp/``        tensor parallel, and FSDP × TP on a 2-D mesh    ``jax``              06
+``checkpoint/``sharded save / load / reshard, faults, resume   ``torch`` (DCP),     07
+                                                               ``jax`` (Orbax),
+                                                               ``manager``,
+                                                               ``resumable``
+=============  ==============================================  ===================  ======
+
+A folder's ``__init__`` imports nothing (importing ``course_lib.strategies.fsdp.jax`` must not import torch,
+nor ``.torch`` JAX): import the module you need, e.g. ``from course_lib.strategies.fsdp import jax as fsdp_jax``.
+What a strategy measures on a rank (memory, ownership) is :mod:`course_lib.measure`; the raw collectives
+are :mod:`course_lib.comm`; the capstone's flags are :mod:`course_lib.apps.train_config`.
 """

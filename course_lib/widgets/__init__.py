@@ -1,4 +1,4 @@
-"""Widgets: who owns which slice (:func:`show_ownership`) and what each collective moved (:func:`show_traffic`).
+"""The widgets layer: who owns which slice (:func:`show_ownership`) and what each collective moved (:func:`show_traffic`).
 
 Usage (the last line of a cell; tag the cell ``nbval-ignore-output``)::
 

@@ -1,12 +1,12 @@
 """Distributed checkpoints in JAX with Orbax: save sharded state, restore it onto another mesh.
 
-The words are :mod:`~course_lib.strategies.checkpoint`'s. What differs from torch DCP:
+The words are :mod:`~course_lib.strategies.checkpoint.torch`'s. What differs from torch DCP:
 
 * **async by default** -- ``CheckpointManager.save`` returns once the arrays are copied to host memory;
   the files are written in the background. ``wait_until_finished()`` before reading the directory (or
   exiting). Orbax writes step ``s`` into ``s.orbax-checkpoint-tmp`` and renames it to ``s`` when every
   host finished (plus ``commit_success.txt``): the same write-then-commit as
-  :mod:`~course_lib.strategies.checkpoint_manager`.
+  :mod:`~course_lib.strategies.checkpoint.manager`.
 * **the restore target decides the layout** -- a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` per
   array. With a ``NamedSharding`` on the new mesh Orbax reads each device's slice straight into place
   (8 devices -> 4 -> 1). Without a sharding it falls back to the layout saved in the checkpoint: the old
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from course_lib.strategies.fsdp_jax import fsdp_spec
+from course_lib.strategies.fsdp.jax import fsdp_spec
 
 __all__ = ["manager", "save", "restore", "restore_target", "train_state", "put_state", "same_arrays",
            "incomplete_steps"]

@@ -1,6 +1,6 @@
 """Checkpoints that survive faults: numbered DCP saves written then committed, verified, the last K kept.
 
-What a careful trainer does around :mod:`~course_lib.strategies.checkpoint` (the words are defined there):
+What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch` (the words are defined there):
 
 * **write, then commit** -- step ``s`` is written into ``<root>/step_<s>.partial``. Only after every rank
   finished (DCP wrote ``.metadata``, its own commit) does rank 0 record each file's size and CRC-32 in
@@ -32,7 +32,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from course_lib.strategies.checkpoint import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
+from course_lib.strategies.checkpoint.torch import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
 
 __all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "verify", "crc32_file", "step_dir", "COMMIT_FILE"]
 

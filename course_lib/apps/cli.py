@@ -22,7 +22,7 @@ def _root() -> Path:
     cwd = Path.cwd()
     if (cwd / "solutions").is_dir() and (cwd / "course_lib").is_dir():
         return cwd
-    return Path(__file__).resolve().parents[2]   # course_lib/authoring/cli.py -> the checkout
+    return Path(__file__).resolve().parents[2]   # course_lib/apps/cli.py -> the checkout
 
 
 def cmd_make_labs(args) -> int:

@@ -5,7 +5,7 @@ labs compare, each built on a rank the same way.
 the order "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism" shows and FSDP2
 requires (a parent's ``fully_shard`` leaves out the parameters its children already manage).
 :func:`prefetch_ahead` is its second exercise done: an explicit prefetch plan ``depth`` blocks ahead.
-:func:`build` wraps the lab GPT as ours (:class:`~course_lib.strategies.fsdp.FlatFSDP`), FSDP2 or DDP.
+:func:`build` wraps the lab GPT as ours (:class:`~course_lib.strategies.fsdp.scratch.FlatFSDP`), FSDP2 or DDP.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def build(strategy: str, cfg: GPTConfig, device="cpu", prefetch: bool = False, d
     "ddp"), and its units' shapes (what ``costs.step_cost`` needs). ``reshard_root=False`` leaves
     FSDP2's root at its default (kept unsharded after forward)."""
     import torch
-    from course_lib.strategies.fsdp import FlatFSDP
+    from course_lib.strategies.fsdp.scratch import FlatFSDP
     from course_lib.models import TorchGPT, torch_gpt, torch_init_
     if strategy == "ours":
         model = torch_gpt(cfg, seed=0).to(device, dtype)

@@ -119,7 +119,7 @@ class ZeRO:
         zero.step(); zero.zero_grad()
 
     ``units``: modules, one flat buffer each (default ``[model]``). ``state_tensors()`` lists what the
-    rank keeps (for :mod:`course_lib.strategies.memory_meter`); ``unit_shapes()`` describes the units (for
+    rank keeps (for :mod:`course_lib.measure.memory`); ``unit_shapes()`` describes the units (for
     :func:`course_lib.maths.costs.step_cost`).
     """
 

@@ -1,6 +1,6 @@
 """A training run whose whole state can be checkpointed: the course GPT, AdamW, a warm-up, a data position.
 
-What :class:`~course_lib.strategies.checkpoint.AppState` saves and restores, built the same way in Lab 07,
+What :class:`~course_lib.strategies.checkpoint.torch.AppState` saves and restores, built the same way in Lab 07,
 its checks and tests, and a training script: :func:`resumable_run` on every rank, then
 :func:`train_step` in a loop. The data position counts *global* batches, so it means the same at any
 world size. Importing this module imports neither torch.distributed nor JAX.
@@ -51,7 +51,7 @@ def resumable_run(cfg, *, mesh=None, seed: int = 0, lr: float = 3e-3, warmup: in
     import torch
     import torch.distributed as dist
     from course_lib.models import TokenTask, TorchGPT, torch_init_
-    from course_lib.strategies.fsdp2 import shard_gpt
+    from course_lib.strategies.fsdp.torch import shard_gpt
     if device is None:
         from course_lib.launch import rank_info
         device = rank_info().device if dist.is_initialized() else "cpu"

@@ -1,8 +1,8 @@
-"""HSDP and FSDP × tensor parallel in JAX: 2-D meshes, their placements, and HSDP by hand with ``shard_map``.
+"""HSDP in JAX: the 2-D mesh, its placements, and HSDP by hand with ``shard_map``.
 
-Words are those of :mod:`course_lib.strategies.hsdp` (sharding factor F, replicate factor R, shard group,
+Words are those of :mod:`course_lib.strategies.hsdp.torch` (sharding factor F, replicate factor R, shard group,
 replica group); the JAX mesh names its axes ``('replicate', 'fsdp')`` -- ``'fsdp'`` is the shard axis, as in
-:mod:`course_lib.strategies.fsdp_jax`, so every FSDP rule there works unchanged with ``n = F``.
+:mod:`course_lib.strategies.fsdp.jax`, so every FSDP rule there works unchanged with ``n = F``.
 
 * **automatic HSDP** -- :func:`hsdp_mesh`, :func:`hsdp_rule`: parameters ``P('fsdp')`` (cut over F, copied over
   R), the batch cut over *both* axes ``P(('replicate', 'fsdp'))``; one ``jit``, the partitioner inserts the
@@ -11,9 +11,8 @@ replica group); the JAX mesh names its axes ``('replicate', 'fsdp')`` -- ``'fsdp
   gradient ``psum_scatter``-ed over ``'fsdp'`` and then ``psum``-ed over ``'replicate'`` -- FSDP2's
   reduce-scatter + all-reduce, written out. ``check_vma=False`` so JAX adds no psum of its own: every
   collective in the program is one written here.
-* **FSDP × tensor parallel** -- :func:`fsdp_tp_spec`: a 2-D kernel ``P('fsdp', 'tensor')`` (the JAX/Flax NNX
-  FSDP guide's hybrid), so a device holds ``1/(F·T)`` of it; the batch is cut over ``'fsdp'`` only (the T
-  devices of a tensor group compute on the same rows, each with its slice of the features).
+
+FSDP × tensor parallel, the other 2-D mesh, is :mod:`course_lib.strategies.tp.jax`.
 
 Importing this module does not import JAX.
 """
@@ -21,16 +20,16 @@ from __future__ import annotations
 
 import math
 
-from course_lib.strategies.fsdp_jax import MIN_SIZE, all_gather_shard, fsdp_spec, sharded_dim
+from course_lib.strategies.fsdp.jax import MIN_SIZE, all_gather_shard, fsdp_spec, sharded_dim
 
-__all__ = ["HSDP_AXES", "TP_AXES", "hsdp_mesh", "hsdp_rule", "batch_spec", "shard_map_hsdp_step", "fsdp_tp_spec",
-           "fsdp_tp_rule", "tp_mesh", "bytes_per_device"]
+__all__ = ["HSDP_AXES", "auto_mesh", "hsdp_mesh", "hsdp_rule", "batch_spec", "shard_map_hsdp_step", "bytes_per_device"]
 
 HSDP_AXES = ("replicate", "fsdp")   #: the HSDP mesh: R copies (axis 0) of a model cut F ways (axis 1)
-TP_AXES = ("fsdp", "tensor")        #: the FSDP × TP mesh of the JAX FSDP guide
 
 
-def _mesh(shape, names, devices):
+def auto_mesh(shape, names, devices=None):
+    """``jax.make_mesh`` of a 2-D ``shape`` with Auto axes over ``devices`` (default: the first ones),
+    refusing a device count that is not the product of the factors."""
     import jax
     from jax.sharding import AxisType
     if devices is None:
@@ -47,16 +46,11 @@ def hsdp_mesh(replicate: int, fsdp: int, devices=None):
     for k, v in (("replicate", replicate), ("fsdp", fsdp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{k}={v!r} must be a positive int")
-    return _mesh((replicate, fsdp), HSDP_AXES, devices)
-
-
-def tp_mesh(fsdp: int, tensor: int, devices=None):
-    """``jax.make_mesh((F, T), ('fsdp', 'tensor'))``: device ``f·T + t``; a tensor group is T consecutive devices."""
-    return _mesh((fsdp, tensor), TP_AXES, devices)
+    return auto_mesh((replicate, fsdp), HSDP_AXES, devices)
 
 
 def hsdp_rule(fsdp: int, min_size: int = MIN_SIZE):
-    """A rule for :mod:`fsdp_jax` (``rule(shape, n, **kw)``) that cuts over the ``'fsdp'`` axis's F devices
+    """A rule for :mod:`course_lib.strategies.fsdp.jax` (``rule(shape, n, **kw)``) that cuts over the ``'fsdp'`` axis's F devices
     whatever ``n`` (the mesh size R·F) it is handed: the parameter is copied along ``'replicate'``."""
     def rule(shape, n=None, **kw):
         return fsdp_spec(shape, fsdp, min_size=kw.get("min_size", min_size))
@@ -109,27 +103,6 @@ def shard_map_hsdp_step(graphdef, tx, mesh, specs, opt_specs):
     data = P(("replicate", "fsdp"))
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, opt_specs, data, data), out_specs=(specs, opt_specs, P()),
                          check_vma=False)
-
-
-# -- FSDP × tensor parallel ------------------------------------------------------------------------------
-def fsdp_tp_spec(shape, fsdp: int, tensor: int, *, min_size: int = MIN_SIZE):
-    """The FSDP × TP placement of a parameter of ``shape``: a 2-D array of ``min_size`` elements or more is
-    ``P('fsdp', 'tensor')`` -- rows cut over F, columns over T, ``1/(F·T)`` per device -- when both divide;
-    anything else falls back to FSDP alone over ``'fsdp'`` (:func:`fsdp_spec`), small ones are replicated."""
-    from jax.sharding import PartitionSpec as P
-    shape = tuple(shape)
-    if len(shape) == 2 and math.prod(shape) >= min_size and shape[0] % fsdp == 0 and shape[1] % tensor == 0:
-        return P("fsdp", "tensor")
-    return fsdp_spec(shape, fsdp, min_size=min_size)
-
-
-def fsdp_tp_rule(fsdp: int, tensor: int, min_size: int = MIN_SIZE, spec=None):
-    """:func:`fsdp_tp_spec` (or the learner's ``spec(shape, fsdp, tensor)``) as an :mod:`fsdp_jax` rule."""
-    spec = spec or (lambda shape, f, t: fsdp_tp_spec(shape, f, t, min_size=min_size))
-
-    def rule(shape, n=None, **kw):
-        return spec(tuple(shape), fsdp, tensor)
-    return rule
 
 
 def bytes_per_device(tree) -> list[int]:

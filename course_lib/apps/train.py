@@ -1,0 +1,233 @@
+"""``python -m course_lib.train``: the course GPT trained with FSDP2 or HSDP, resumable, under torchrun.
+
+The same file runs on a laptop, on one GPU, and on a cluster::
+
+    python -m course_lib.train --steps 20                                   # one process (world size 1)
+    torchrun --standalone --nproc-per-node 4 -m course_lib.train --shard 4  # FSDP over 4 ranks
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 \\
+        -m course_lib.train --replicate 2 --shard 8 --bf16 --ckpt-dir ck --ckpt-every 100 --resume
+
+Flags (see ``--help``): model size (``--d-model --n-layers --n-heads --d-ff --vocab-size --seq-len``), the
+mesh (``--replicate R --shard F``, R*F must equal WORLD_SIZE; R=1 is FSDP), ``--bf16`` (bf16 compute, fp32
+master weights and gradient reduction: FSDP2's ``MixedPrecisionPolicy``), ``--act-ckpt`` (recompute each
+block in backward), ``--compile`` (``torch.compile`` per block), and DCP checkpoints (``--ckpt-dir``,
+``--ckpt-every K``, ``--keep``, ``--resume``). Every configuration error is raised before the model is built
+(:mod:`course_lib.apps.train_config`). A checkpoint holds model, optimizer, LR schedule, data
+position (global batches, so it means the same at any world size) and each rank's RNG: ``--resume`` at the
+same world size continues bit for bit; at another world size DCP reshards on load (RNG left out: the new
+ranks never had one). SIGTERM (what SLURM and torchrun send before a kill) saves a checkpoint at the end of
+the current step, then exits. Rank 0 shows a tqdm bar, appends JSON lines to ``--jsonl`` (step, loss, tokens/s,
+MFU on a GPU, peak memory) and prints the run's collective ledger at the end.
+
+As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism": shard each block, then
+the root; save and load with DCP on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import resource
+import signal
+import socket
+import statistics
+import sys
+import time
+
+from course_lib.apps.train_config import ConfigError, add_arguments, check_resume, from_args, write_run_record
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
+
+
+def flops_per_token(cfg) -> float:
+    """6·N (forward + backward of every weight) + 12·L·T·d (attention scores and values), per token."""
+    from course_lib.models.config import param_count
+    return 6 * param_count(cfg) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+
+
+def peak_flops(device) -> float | None:
+    """Dense bf16 peak of this GPU from its name (None on CPU or an unknown GPU: no MFU then)."""
+    import torch
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class Warmup:
+    """LR factor min(1, (s + 1) / steps): a picklable linear warm-up."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, s: int) -> float:
+        return min(1.0, (s + 1) / self.steps)
+
+
+def _init_process_group():
+    """torchrun's env:// rendezvous (or a one-rank group on a free port when run plainly), through the
+    ledger backend so every collective -- FSDP2's included -- is recorded. Returns (rank, world, device)."""
+    import torch
+    import torch.distributed as dist
+    from course_lib.comm import torch_ledger
+    if "RANK" not in os.environ:   # plain `python -m course_lib.train`: a group of one, same code path
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(torch_ledger.register(with_cuda=cuda), timeout=datetime.timedelta(seconds=300))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build(cfg, device):
+    """Model (meta -> sharded -> materialised, ``torch_init_`` so any world size starts identical), AdamW,
+    warm-up schedule, data position."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.utils.checkpoint import checkpoint
+    from course_lib.models import TokenTask, TorchGPT, torch_init_
+    from course_lib.strategies.fsdp.torch import shard_gpt
+    from course_lib.strategies.hsdp.torch import hsdp_mesh, shard_gpt_hsdp
+    from course_lib.strategies.checkpoint.resumable import ResumableBatches
+    mcfg = cfg.model_config()
+    with torch.device("meta"):
+        model = TorchGPT(mcfg)
+    if cfg.act_ckpt:   # the forward, not the module, is wrapped: parameter names (checkpoint keys) stay the same
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cfg.bf16 else {}
+    if cfg.replicate > 1:
+        shard_gpt_hsdp(model, hsdp_mesh(cfg.replicate, cfg.shard, device.type), **kw)
+    else:
+        shard_gpt(model, init_device_mesh(device.type, (cfg.world_size,), mesh_dim_names=("shard",)), **kw)
+    model.to_empty(device=device)
+    torch_init_(model, mcfg, cfg.seed)
+    if cfg.compile:
+        for block in model.blocks:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
+    data = ResumableBatches(TokenTask(mcfg.vocab_size, mcfg.seq_len, seed=cfg.data_seed), cfg.batch)
+    return model, opt, sched, data
+
+
+def _resume(ckpt, model, opt, sched, data, rank: int, world: int) -> int:
+    """Load the newest complete checkpoint (0 if none); RNG only when this rank saved one at this world size."""
+    from course_lib.strategies.checkpoint.torch import AppState, read_metadata
+    from course_lib.strategies.checkpoint.manager import step_dir
+    step = ckpt.latest()
+    if step is None:
+        return 0
+    keys = read_metadata(step_dir(ckpt.root, step)).state_dict_metadata
+    ranks = {k.split(".rank")[1] for k in keys if k.startswith("app.rng.rank")}
+    same_world = ranks == {str(r) for r in range(world)}
+    ckpt.load({"app": AppState(model, opt, sched, data, rank=rank, rng=same_world)}, step)
+    return step
+
+
+def _peak_memory(device) -> int:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def main(argv=None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="python -m course_lib.train", description=__doc__.split("\n")[0]))
+    args = p.parse_args(argv)
+    world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    try:   # before any process group, model or data: every rank fails alike, rank 0 says why
+        cfg = from_args(args, world_env)
+        if cfg.resume:
+            check_resume(cfg)
+    except ConfigError as e:
+        if rank_env == 0:
+            print(f"course_lib.train: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+    from course_lib.comm import torch_ledger
+    from course_lib.models import loss_fn
+    from course_lib.strategies.checkpoint.torch import AppState
+    from course_lib.strategies.checkpoint.manager import Checkpointer
+
+    rank, world, device = _init_process_group()
+    stop = {"signal": None}
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    model, opt, sched, data = build(cfg, device)
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep) if cfg.ckpt_dir else None
+    start = _resume(ckpt, model, opt, sched, data, rank, world) if (ckpt and cfg.resume) else 0
+    if ckpt and rank == 0:
+        write_run_record(cfg)
+    log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None
+    tokens, fpt, peak = cfg.batch * cfg.seq_len, flops_per_token(cfg.model_config()), peak_flops(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch_ledger.recorder().reset()
+    times, step = [], start
+    bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=f"train {world} ranks", unit="step")
+    for s in range(start, cfg.steps):
+        torch_ledger.set_step(s)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        lr = sched.get_last_lr()[0]          # the rate this step uses (sched.step() below moves to the next)
+        x, y = (t.to(device) for t in data.next(rank, world))
+        loss = loss_fn(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        t = torch.stack([loss.detach().float(), torch.tensor(float(stop["signal"] is not None), device=device)])
+        with torch_ledger.paused():   # bookkeeping, not training traffic: kept out of the ledger
+            dist.all_reduce(t)
+        dt = time.perf_counter() - t0
+        step, times = s + 1, times + [dt]
+        row = {"step": s, "loss": t[0].item() / world, "tokens_per_s": tokens / dt, "step_s": dt,
+               "lr": lr, "peak_bytes": _peak_memory(device), "world_size": world}
+        if peak:
+            row["mfu"] = fpt * tokens / dt / (peak * world)
+        if log:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        stopping = t[1].item() > 0
+        if ckpt and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+            with torch_ledger.paused():
+                ckpt.save(step, {"app": AppState(model, opt, sched, data, rank=rank)})
+        if stopping:
+            break
+        if cfg.throttle:
+            time.sleep(cfg.throttle)
+    bar.close()
+    ledger = torch_ledger.recorder().ledger()
+    if rank == 0:
+        steady = times[1:] or times
+        med = statistics.median(steady) if steady else float("nan")
+        summary = {"summary": True, "start": start, "end": step, "world_size": world, "replicate": cfg.replicate,
+                   "shard": cfg.shard, "tokens_per_s": tokens / med, "median_step_s": med,
+                   "peak_bytes": _peak_memory(device), "mfu": fpt * tokens / med / (peak * world) if peak else None,
+                   "stopped_by_signal": stop["signal"], "collectives_rank0": len(ledger.filter(rank=0)),
+                   "collective_bytes_rank0": ledger.filter(rank=0).total_bytes(), "device": str(device)}
+        print(f"collective ledger (rank 0, steps {start}..{step - 1}):\n{ledger.filter(rank=0).table()}", flush=True)
+        print(json.dumps(summary), flush=True)
+        if log:
+            log.write(json.dumps(summary) + "\n")
+            log.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""``python -m course_lib.train_jax``: the course GPT in Flax NNX, FSDP or HSDP over a JAX mesh, resumable
+with Orbax, one process per host under ``jax.distributed``.
+
+The same task, flags and log as :mod:`course_lib.train` (see there), plus how the processes find each other::
+
+    python -m course_lib.train_jax --steps 20                                  # one process, its devices
+    python -m course_lib.train_jax --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 \\
+        --replicate 2 --shard 2 --ckpt-dir ck --ckpt-every 5 --resume           # ... and --process-id 1
+    srun python -m course_lib.train_jax --replicate 2 --shard 8 ...            # SLURM: all from the environment
+
+``--coordinator / --num-processes / --process-id`` fall back to ``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``, and with none of them on SLURM, ``jax.distributed.initialize()``
+reads SLURM's own variables. ``--cpu-devices D`` runs on D CPU devices per process with gloo collectives
+across processes: 2 processes x 2 devices is a real multi-process run on a laptop. The mesh is
+``(replicate, fsdp)`` over ``jax.devices()`` (process 0's devices first); parameters of at least 1024
+elements are cut over ``fsdp`` and copied over ``replicate``; the batch rows are cut over both. ``--bf16``
+casts the fp32 parameters to bf16 inside the step (gradients come back fp32); ``--act-ckpt`` wraps every block
+in ``nnx.remat``. Orbax's ``CheckpointManager`` writes ``<step>.orbax-checkpoint-tmp`` and renames it when
+complete; ``--resume`` restores the newest complete step with every array laid out for the *current* mesh,
+so 2 processes x 2 devices resumes at 1 x 2 or 1 x 4. As in "Train Your Large Model on Multiple GPUs with
+Fully Sharded Data Parallelism", the same saved state fits any layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import sys
+import time
+
+from course_lib.apps.train_config import ConfigError, add_arguments, check_resume, from_args, write_run_record
+
+
+def _parser():
+    p = add_arguments(argparse.ArgumentParser(prog="python -m course_lib.train_jax", description=__doc__.split("\n")[0]))
+    env = os.environ.get
+    p.add_argument("--coordinator", default=env("JAX_COORDINATOR_ADDRESS"), help="host:port of process 0")
+    p.add_argument("--num-processes", type=int, default=int(env("JAX_NUM_PROCESSES", 0)) or None)
+    p.add_argument("--process-id", type=int, default=int(env("JAX_PROCESS_ID", -1)) if env("JAX_PROCESS_ID") else None)
+    p.add_argument("--cpu-devices", type=int, default=0, help="run on this many CPU devices per process (0: default backend)")
+    return p
+
+
+def _initialize(a) -> None:
+    import jax
+    if a.cpu_devices:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if a.coordinator or (a.num_processes or 1) > 1 or "SLURM_JOB_ID" in os.environ:
+        jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
+                                   initialization_timeout=120)
+
+
+def make_step(mesh, rule, bf16: bool, remat: bool):
+    """``nnx.jit`` train step (model, optimizer donated): loss (bf16 compute when asked), grads, AdamW, pin."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from course_lib.strategies.fsdp.jax import forward, pin
+
+    def loss_fn(model, x, y):
+        if bf16:   # compute copy in bf16; the cast is differentiable, so gradients arrive in fp32
+            gd, st = nnx.split(model)
+            model = nnx.merge(gd, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, st))
+        logits = forward(model, x, remat).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @functools.partial(nnx.jit, donate_argnums=(0, 1))
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        pin(model, optimizer, mesh=mesh, rule=rule)
+        return loss
+    return train_step
+
+
+def _peak_memory() -> int:
+    import jax
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return int(stats.get("peak_bytes_in_use") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    nproc = a.num_processes or 1
+    try:   # what the flags alone can check, before JAX starts (CPU: the device count is known)
+        if a.cpu_devices:
+            cfg = from_args(a, nproc * a.cpu_devices)
+    except ConfigError as e:
+        if not a.process_id:
+            print(f"course_lib.train_jax: {e}", file=sys.stderr)
+        return 2
+    _initialize(a)
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from tqdm.auto import tqdm
+    from course_lib import models
+    from course_lib.comm import jax_ledger
+    from course_lib.strategies.checkpoint import jax as checkpoint_jax
+    from course_lib.strategies.fsdp import jax as fsdp_jax
+    from course_lib.strategies.hsdp import jax as hsdp_jax
+    from course_lib.apps.train import PEAK_BF16_FLOPS, flops_per_token
+    pid, nproc = jax.process_index(), jax.process_count()
+    try:   # the real device count, still before any model exists
+        cfg = from_args(a, jax.device_count())
+        if cfg.resume:
+            check_resume(cfg)
+    except ConfigError as e:
+        if pid == 0:
+            print(f"course_lib.train_jax: {e}", file=sys.stderr)
+        return 2
+    stop = {"signal": None}
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    mcfg = cfg.model_config()
+    mesh = hsdp_jax.hsdp_mesh(cfg.replicate, cfg.shard, jax.devices())
+    rule = hsdp_jax.hsdp_rule(cfg.shard)
+    model = models.flax_gpt(mcfg, seed=cfg.seed)
+    fsdp_jax.shard_model(model, mesh, rule)
+    sched = lambda count: cfg.lr * jax.numpy.minimum(1.0, (count + 1) / cfg.warmup)   # noqa: E731 (as torch)
+    tx = optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)      # torch.optim.AdamW's defaults
+    opt = fsdp_jax.sharded_optimizer(model, tx, mesh, rule)
+    data_sharding = NamedSharding(mesh, hsdp_jax.batch_spec(mesh))
+    task = models.TokenTask(mcfg.vocab_size, mcfg.seq_len, seed=cfg.data_seed)
+    per = cfg.batch // nproc
+
+    def batch(s):   # this process's contiguous rows of global batch s (its devices come in mesh order)
+        x, y = task.global_batch(s, cfg.batch)
+        mine = slice(pid * per, (pid + 1) * per)
+        return tuple(jax.make_array_from_process_local_data(data_sharding, v[mine].astype(np.int32)) for v in (x, y))
+
+    mngr, start = None, 0
+    if cfg.ckpt_dir:
+        mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep)
+        latest = mngr.latest_step() if cfg.resume else None
+        if latest is not None:
+            target = checkpoint_jax.restore_target(checkpoint_jax.train_state(model, opt), mesh, rule)
+            state, meta = checkpoint_jax.restore(mngr, latest, target)
+            checkpoint_jax.put_state(model, opt, state)
+            start = int(meta["data_step"])
+        if pid == 0:
+            write_run_record(cfg)
+    step_fn = make_step(mesh, rule, cfg.bf16, cfg.act_ckpt)
+    compiled = step_fn.lower(model, opt, *batch(start)).compile(fsdp_jax.compile_options(mesh))
+    dev = jax.devices()[0]
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in getattr(dev, "device_kind", "")), None) \
+        if dev.platform == "gpu" else None
+    tokens, fpt = cfg.batch * cfg.seq_len, flops_per_token(mcfg)
+    log = open(cfg.jsonl, "a") if (cfg.jsonl and pid == 0) else None
+    times, step = [], start
+    bar = tqdm(total=cfg.steps, initial=start, disable=pid != 0, desc=f"train_jax {jax.device_count()} devices",
+               unit="step")
+    for s in range(start, cfg.steps):
+        x, y = batch(s)
+        t0 = time.perf_counter()
+        loss = float(compiled(model, opt, x, y))          # float(): waits for the step
+        dt = time.perf_counter() - t0
+        step, times = s + 1, times + [dt]
+        flag = np.array([stop["signal"] is not None], np.int32)
+        if nproc > 1:
+            from jax.experimental import multihost_utils
+            flag = multihost_utils.process_allgather(flag)
+        stopping = bool(np.any(flag))
+        row = {"step": s, "loss": loss, "tokens_per_s": tokens / dt, "step_s": dt, "lr": float(sched(s)),
+               "peak_bytes": _peak_memory(), "world_size": jax.device_count()}
+        if peak:
+            row["mfu"] = fpt * tokens / dt / (peak * jax.device_count())
+        if log:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        if mngr and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+            checkpoint_jax.save(mngr, step, checkpoint_jax.train_state(model, opt),
+                                {"data_step": step, "batch": cfg.batch, "data_seed": cfg.data_seed})
+        if stopping:
+            break
+        if cfg.throttle:
+            time.sleep(cfg.throttle)
+    bar.close()
+    if mngr:
+        mngr.wait_until_finished()
+        mngr.close()
+    if pid == 0:
+        led = jax_ledger.from_compiled(compiled.compiled, mesh)
+        med = statistics.median(times[1:] or times) if times else float("nan")
+        summary = {"summary": True, "start": start, "end": step, "world_size": jax.device_count(),
+                   "processes": nproc, "replicate": cfg.replicate, "shard": cfg.shard, "tokens_per_s": tokens / med,
+                   "median_step_s": med, "peak_bytes": _peak_memory(),
+                   "mfu": fpt * tokens / med / (peak * jax.device_count()) if peak else None,
+                   "stopped_by_signal": stop["signal"], "collectives_per_step": len(led), "device": dev.platform}
+        print(f"collective ledger (one compiled step, from its HLO):\n{led.table()}", flush=True)
+        print(json.dumps(summary), flush=True)
+        if log:
+            log.write(json.dumps(summary) + "\n")
+            log.close()
+    if nproc > 1:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

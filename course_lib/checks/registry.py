@@ -1,0 +1,121 @@
+"""One registry of the course's exercises: each check declared once, with everything else reads from it.
+
+A lab's check module declares each exercise where its check is defined::
+
+    @exercise("03", "flat_shard", cell="def flat_shard(", hints=HINTS["flat_shard"], tests=TESTS["flat_shard"],
+              mistakes={"no padding": "pad the flat buffer with zeros", ...})
+    def check_flat_shard(fn, name="flat_shard") -> bool: ...
+
+and the registry hands the same :class:`Exercise` to every reader:
+
+* the notebooks -- ``checks.hint(name)`` knows the hints (registered here, once);
+* the wrong-answer tests -- ``cell`` finds the exercise's cell in the lab, ``mistakes`` says what the ❌ line
+  must name for each classic mistake (``tests/test_labs_wrong_answers.py``, one parametrised test);
+* the kill-rate table -- :func:`kill_table`: per exercise, wrong answers tried and rejected, by kind;
+* grading -- :func:`verdict` reads a run's output for one exercise: solved, wrong (with the mistake's tag),
+  or not attempted.
+
+``name`` is the name the check prints (``✅ flat_shard: ...``), ``lab`` the two digits of the notebook.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from course_lib.checks.core import register_hints
+
+__all__ = ["Exercise", "exercise", "exercises", "find", "verdict", "kill_table"]
+
+_REGISTRY: dict[tuple[str, str], "Exercise"] = {}
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise of one lab, as its check module declares it."""
+
+    lab: str                      #: the notebook's two digits, "03"
+    name: str                     #: what the check prints after ✅ / ❌ / ⏳
+    cell: str                     #: text that the exercise's code cell contains, once (its def / class line)
+    hints: tuple[str, ...]        #: general to specific; the first states the idea, never the code
+    check: Callable = field(repr=False, compare=False)   #: the check function (learner's answer -> bool)
+    tests: str = ""               #: what the check verifies, as the ⏳ line says it
+    mistakes: Mapping[str, str] = field(default_factory=dict)   #: tag -> phrase the ❌ line holds for it
+
+    def __post_init__(self):
+        if not re.fullmatch(r"\d\d", self.lab):
+            raise ValueError(f"lab={self.lab!r}: two digits, as in the notebook's name (e.g. '03')")
+        if not self.name or not self.cell.strip():
+            raise ValueError(f"exercise {self.lab}/{self.name!r}: name and cell must be non-empty")
+        if not self.hints or any(not isinstance(h, str) or not h.strip() for h in self.hints):
+            raise ValueError(f"exercise {self.lab}/{self.name}: hints must be non-empty strings, most general first")
+
+    def diagnosis(self, feedback: str) -> str | None:
+        """The tag of the first declared mistake whose phrase the ❌ text holds, or None."""
+        return next((tag for tag, phrase in self.mistakes.items() if phrase in feedback), None)
+
+
+def exercise(lab: str, name: str, *, cell: str, hints: Sequence[str], tests: str = "",
+             mistakes: Mapping[str, str] | None = None) -> Callable[[Callable], Callable]:
+    """Declare the check below as exercise ``name`` of lab ``lab`` (see the module docstring)."""
+    def register(check: Callable) -> Callable:
+        key = (lab, name)
+        ex = Exercise(lab, name, cell, tuple(hints), check, tests, dict(mistakes or {}))
+        old = _REGISTRY.get(key)
+        if old is not None and old.check.__qualname__ != check.__qualname__:
+            raise ValueError(f"exercise {lab}/{name} declared twice: {old.check.__qualname__} and {check.__qualname__}")
+        _REGISTRY[key] = ex
+        register_hints({name: ex.hints})
+        check.exercise = ex
+        return check
+    return register
+
+
+def _load_all() -> None:
+    """Import every ``checks.labNN`` module, so that every exercise is declared."""
+    for m in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if re.fullmatch(r"lab\d\d", m.name):
+            importlib.import_module(f"course_lib.checks.{m.name}")
+
+
+def exercises(lab: str | None = None) -> list[Exercise]:
+    """Every declared exercise (of one lab), in lab order, then in the order the module declares them."""
+    _load_all()
+    found = [e for e in _REGISTRY.values() if lab is None or e.lab == lab]
+    return sorted(found, key=lambda e: e.lab)          # stable: declaration order within a lab
+
+
+def find(lab: str, name: str) -> Exercise:
+    _load_all()
+    if (lab, name) not in _REGISTRY:
+        known = ", ".join(e.name for e in exercises(lab)) or "none"
+        raise KeyError(f"no exercise {name!r} in lab {lab}; its exercises: {known}")
+    return _REGISTRY[(lab, name)]
+
+
+def verdict(ex: Exercise, output: str) -> tuple[str, str | None]:
+    """What a run's printed output says of ``ex``: ``("solved", None)``, ``("wrong", tag or None)``,
+    ``("not attempted", None)`` or ``("not run", None)`` when its check printed nothing. The last line wins
+    (a learner may re-run a check)."""
+    state, tag = "not run", None
+    for i, line in enumerate(output.splitlines()):
+        for mark, what in (("✅", "solved"), ("❌", "wrong"), ("⏳", "not attempted")):
+            if line.startswith(f"{mark} {ex.name}:"):
+                state = what
+                tag = ex.diagnosis("\n".join(output.splitlines()[i:i + 6])) if what == "wrong" else None
+    return state, tag
+
+
+def kill_table(rows: Iterable[tuple[Exercise, str, bool]]) -> str:
+    """A table of wrong answers tried and rejected per exercise: ``rows`` are (exercise, kind, rejected)."""
+    per: dict[tuple[str, str], list] = {}
+    for ex, kind, rejected in rows:
+        per.setdefault((ex.lab, ex.name), []).append((kind, rejected))
+    lines = [f"{'lab':<4} {'exercise':<22} {'tried':>5} {'rejected':>8}  kinds (✗ = accepted)", "-" * 72]
+    for (lab, name), got in sorted(per.items()):
+        kinds = ", ".join(sorted({k if ok else f"{k} ✗" for k, ok in got}))
+        lines.append(f"{lab:<4} {name:<22} {len(got):>5} {sum(ok for _, ok in got):>8}  {kinds}")
+    return "\n".join(lines)
