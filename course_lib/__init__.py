@@ -17,7 +17,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)
                  <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
-               dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {jax},
+               dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
                checkpoint/ {torch (DCP), jax (Orbax), manager (write then commit), resumable}
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise

@@ -10,7 +10,7 @@ folder         what it teaches                                 modules          
                                                                ``torch``, ``jax``
 ``hsdp/``      hybrid sharding: a 2-D (replicate × shard)      ``torch``, ``jax``   06
                mesh
-``tp/``        tensor parallel, and FSDP × TP on a 2-D mesh    ``jax``              06
+``tp/``        tensor parallel, and FSDP × TP on a 2-D mesh    ``torch``, ``jax``   06
 ``checkpoint/``sharded save / load / reshard, faults, resume   ``torch`` (DCP),     07
                                                                ``jax`` (Orbax),
                                                                ``manager``,
