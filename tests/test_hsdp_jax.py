@@ -133,3 +133,26 @@ def test_fsdp_tp_memory_and_parity(single):
     assert len(set(held)) == 1
     assert held[0] == big // 8 + (psi - big)        # Ψ_big/(F·T), plus the small arrays, replicated
     assert {r.axis for r in led} >= {"fsdp", "tensor"}
+
+
+def test_jax_fsdp_tp_matches_pytorch_2d_on_the_same_weights_and_data():
+    """Lab 06's two FSDP × TP runs agree: JAX on a ('fsdp' 2, 'tensor' 2) mesh and PyTorch's (dp_shard 2, tp 2)
+    run, whose losses equal one torch process exactly (tests/test_tp_torch.py), from init_weights and the same
+    batches, plain SGD, 3 steps."""
+    from course_lib.strategies.tp import torch as tpt
+    cfg = models.GPTConfig(d_model=66, n_heads=6, d_ff=198, seq_len=31, vocab_size=67, n_layers=2)
+    steps, batch, lr = 3, 8, 0.5
+    torch_losses = tpt.train_2d(cfg, 1, 1, steps=steps, batch=batch, lr=lr)["losses"]
+    mesh = tp_jax.tp_mesh(2, 2, jax.devices()[:4])
+    rule = tp_jax.fsdp_tp_rule(2, 2)
+    model = models.flax_gpt(cfg, seed=0)
+    fsdp_jax.shard_model(model, mesh, rule)
+    opt = fsdp_jax.sharded_optimizer(model, optax.sgd(lr), mesh, rule)
+    step = fsdp_jax.make_train_step(mesh, rule)
+    task, sharding = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0), NamedSharding(mesh, hsdp_jax.batch_spec(mesh))
+    losses = []
+    for s in range(steps):
+        x, y = (jax.device_put(v.astype(np.int32), sharding) for v in task.global_batch(s, batch))
+        losses.append(float(step(model, opt, x, y)))
+    assert model.blocks[0].mlp.fc.kernel.get_value().sharding.spec == P("fsdp", "tensor")
+    np.testing.assert_allclose(losses, torch_losses, rtol=0, atol=1e-5)
