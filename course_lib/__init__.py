@@ -21,7 +21,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                checkpoint/ {torch (DCP), jax (Orbax), manager (write then commit), resumable}
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
-               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN
+               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
+               lab06_tp (Lab 06's PyTorch tensor-parallel exercise)
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure

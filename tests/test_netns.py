@@ -142,3 +142,28 @@ def test_jax_two_processes_fsdp_vs_hsdp():
     assert set(fsdp["wire_by_axis"]) == {"fsdp"}
     assert "replicate" in hsdp["wire_by_axis"]
     assert hsdp["tx"] < fsdp["tx"]          # less crosses between the nodes with HSDP
+
+
+@pytest.mark.slow
+@pytest.mark.serial       # it times steps: alone on the machine, as the model assumes
+def test_torchrun_two_agents_tensor_parallel_placement():
+    """FSDP × TP on two nodes, TP inside a node (``tp_in``) vs across the link (``tp_across``): the same losses,
+    the cable bytes of each equal to the model's (formula × gloo's factor, + < 8 % of headers), TP across puts
+    several times more on the cable, and step times sit in the model's stated band: at least half its
+    prediction (it leaves out FSDP2's CPU cost per step, never adds any) and at most 8×."""
+    from course_lib.bench import two_node
+    res = two_node.run_torch(100, steps=2, batch=32, kinds=("tp_in", "tp_across"), timeout_s=200)
+    assert res["left_over"] == []
+    tp_in, tp_across = res["runs"]["tp_in"], res["runs"]["tp_across"]
+    assert tp_in["losses"] == pytest.approx(tp_across["losses"], rel=1e-6)
+    axes = {(op, axis) for op, _, _, _, axis in tp_in["ops"]}
+    assert axes == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_reduce", "tp")}
+    pred = two_node.predict(res, factors=two_node.GLOO_FACTORS)
+    for kind in ("tp_in", "tp_across"):
+        assert 1.0 <= pred[kind]["measured_link"] / pred[kind]["predicted_link"] < 1.08, pred[kind]
+        assert 0.5 <= pred[kind]["measured_s"] / pred[kind]["predicted_s"] <= 8, pred[kind]
+    assert pred["tp_across"]["measured_link"] > 3 * pred["tp_in"]["measured_link"]
+    assert pred["tp_across"]["predicted_s"] > 1.5 * pred["tp_in"]["predicted_s"]
+    report = two_node.format_report(res, pred).splitlines()
+    assert [line.split()[0] for line in report[3:5]] == ["tp_in", "tp_across"]
+    assert report[5].startswith("TP across the link / TP inside a node, step time: measured")

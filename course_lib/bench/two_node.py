@@ -62,9 +62,11 @@ def _wait(procs, timeout_s: float, what: str):
 
 
 def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, batch: int = 8,
-              port: int = 29400, timeout_s: float = 150, quiet: bool = True) -> dict:
+              port: int = 29400, timeout_s: float = 150, quiet: bool = True, kinds=("fsdp", "hsdp")) -> dict:
     """Two torchrun agents in two namespaces, 2 workers each; returns the workers' measurements plus the
-    link's counters (``"link"``) and what was left of our namespaces afterwards (``"left_over"``: ``[]``)."""
+    link's counters (``"link"``) and what was left of our namespaces afterwards (``"left_over"``: ``[]``).
+    ``kinds``: which runs (``fsdp``, ``hsdp``, ``tp_in``: FSDP × TP with TP inside a node, ``tp_across``:
+    the same with TP across the link)."""
     with tempfile.TemporaryDirectory(prefix="two_node_") as tmp, netns.TwoNodes(rate_mbit=rate_mbit) as net:
         out = os.path.join(tmp, "result.json")
         a = net.nodes[0]
@@ -76,7 +78,7 @@ def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1,
             if node.index == 0:
                 argv.append("--rdzv-conf=is_host=1")   # this agent hosts the rendezvous store
             argv += ["-m", "course_lib.bench.two_node_worker", "--out", out, "--steps", str(steps),
-                     "--warmup", str(warmup), "--batch", str(batch)]
+                     "--warmup", str(warmup), "--batch", str(batch), "--kinds", *kinds]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": node.iface, "OMP_NUM_THREADS": "1",
                    "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(REPO)}
             procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=_output(quiet),
@@ -163,7 +165,8 @@ def predict(result: dict, links: dict[str, AlphaBeta] | None = None, factors: di
                 link += 2 * load   # both directions
         steps = len(run["step_s_max"])
         measured_step = sorted(run["step_s_max"])[steps // 2]
-        out[kind] = {"predicted_s": result["compute_s"] + comm, "comm_s": comm, "measured_s": measured_step,
+        compute = run.get("compute_s", result["compute_s"])
+        out[kind] = {"predicted_s": compute + comm, "comm_s": comm, "measured_s": measured_step,
                      "predicted_link": link, "measured_link": sum(run["tx_by_rank"]) / steps,
                      "measured_intra": sum(run.get("lo_by_rank", [0])) / steps}
     return out
@@ -197,6 +200,10 @@ def format_report(result: dict, pred: dict | None = None) -> str:
         lines.append(f"{kind:<6}{p['measured_s'] * 1e3:>9.1f}{p['predicted_s'] * 1e3:>10.1f}"
                      f"{p['measured_link']:>13,.0f}{p['predicted_link']:>11,.0f}"
                      f"{p['measured_link'] / max(p['predicted_link'], 1):>7.2f}")
+    if {"tp_in", "tp_across"} <= set(pred):
+        i, a = pred["tp_in"], pred["tp_across"]
+        lines.append(f"TP across the link / TP inside a node, step time: measured {a['measured_s'] / i['measured_s']:.1f}x, "
+                     f"model {a['predicted_s'] / i['predicted_s']:.1f}x")
     if {"fsdp", "hsdp"} <= set(pred):
         f, h = pred["fsdp"], pred["hsdp"]
         lines.append(f"FSDP - HSDP per step: measured {(f['measured_s'] - h['measured_s']) * 1e3:.1f} ms, "
@@ -209,6 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=100, help="Mbit/s on the inter-node link; 0: unthrottled")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--jax", action="store_true", help="the JAX variant (jax.distributed, 2 CPU devices per node)")
+    ap.add_argument("--tp", action="store_true", help="FSDP × tensor parallel, TP inside a node vs across the link")
     ap.add_argument("--verbose", action="store_true", help="show the workers' output")
     a = ap.parse_args(argv)
     ok, why = netns.available()
@@ -222,7 +230,8 @@ def main(argv=None) -> int:
             print(f"{kind}: mesh {run['mesh']}, median step {sorted(run['step_s'])[len(run['step_s']) // 2] * 1e3:.1f} ms, "
                   f"link {run['tx'] / a.steps:,.0f} B/step (node 0 -> 1), wire by axis {run['wire_by_axis']}")
     else:
-        res = run_torch(rate, steps=a.steps, quiet=not a.verbose)
+        res = run_torch(rate, steps=a.steps, quiet=not a.verbose,
+                        kinds=("tp_in", "tp_across") if a.tp else ("fsdp", "hsdp"))
         print(format_report(res))
     print(f"namespaces left behind: {res['left_over'] or 'none'}")
     return 1 if res["left_over"] else 0

@@ -8,8 +8,9 @@ process group through the ledger backend, so each collective is recorded with it
 
 1. **calibrates** one (α, β) per link class: 2-rank all-reduces inside each node (both nodes at once, over
    the namespaces' loopback) and across the nodes (both replica pairs at once, over the veth link);
-2. **times** ``steps`` training steps of FSDP (1-D mesh of 4) and HSDP (mesh (2, 2): shard inside a node,
-   replicate across), reading the veth's byte counter around them (local rank 0 of each node reads its
+2. **times** ``steps`` training steps of each ``--kinds``: FSDP (1-D mesh of 4), HSDP (mesh (2, 2): shard
+   inside a node, replicate across), and FSDP × tensor parallel placed two ways -- ``tp_in`` (TP inside a
+   node, FSDP across: the right way) and ``tp_across`` (swapped: every TP all-reduce crosses the link), reading the veth's byte counter around them (local rank 0 of each node reads its
    own namespace's ``/proc/net/dev``: a namespace sees only its own interfaces);
 3. times the same step's **compute** alone (one process, its local batch, no collectives).
 
@@ -66,10 +67,37 @@ def _calibrate(mesh, sizes, reps: int, iface: str, local_rank: int) -> dict:
     return out
 
 
+KINDS = ("fsdp", "hsdp", "tp_in", "tp_across")
+#: FSDP × TP runs the course GPT with heads and d_ff divisible by T = 2 (LAB_CONFIG's 3 heads are not).
+TP_CONFIG = dict(d_model=66, n_heads=6, d_ff=198, seq_len=31, vocab_size=67, n_layers=2)   # as Lab 06, section 6
+
+
+def _mesh_and_model(kind: str, cfg, n: int, nodes: int):
+    """The mesh, the sharded model, this rank's data-parallel (index, size) and its compute config."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.models import torch_gpt
+    from course_lib.strategies.hsdp import torch as hsdp
+    from course_lib.strategies.tp import torch as tpt
+    if kind in ("fsdp", "hsdp"):
+        mesh = init_device_mesh("cpu", (n,)) if kind == "fsdp" else hsdp.hsdp_mesh(nodes, n // nodes)
+        import torch.distributed as dist
+        return mesh, hsdp.build_gpt(cfg, mesh), (dist.get_rank(), n), cfg
+    cfg = dataclasses.replace(cfg, **TP_CONFIG)
+    per_node = n // nodes
+    # rank = i·(size of dim 1) + j: the last dim holds consecutive ranks, i.e. one node's
+    shape, names = ((nodes, per_node), ("dp_shard", "tp")) if kind == "tp_in" else ((per_node, nodes), ("tp", "dp_shard"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = tpt.apply_tp(torch_gpt(cfg, seed=0), mesh["tp"])
+    tpt.apply_fsdp(model, mesh["dp_shard"])
+    return mesh, model, (mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()), cfg
+
+
 def _train(kind: str, cfg, steps: int, warmup: int, batch: int, iface: str, local_rank: int) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from course_lib.comm import torch_ledger as lt
     from course_lib.maths import costs
     from course_lib.models import loss_fn
@@ -77,12 +105,11 @@ def _train(kind: str, cfg, steps: int, warmup: int, batch: int, iface: str, loca
     from course_lib.strategies.hsdp import torch as hsdp
     r, n = dist.get_rank(), dist.get_world_size()
     nodes = n // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
-    mesh = init_device_mesh("cpu", (n,)) if kind == "fsdp" else hsdp.hsdp_mesh(nodes, n // nodes)
     lt.recorder().reset()
-    model = hsdp.build_gpt(cfg, mesh)
+    mesh, model, (d, dp), cfg = _mesh_and_model(kind, cfg, n, nodes)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
-    data = [tuple(torch.from_numpy(a) for a in task.rank_batch(s, batch, r, n)) for s in range(warmup + steps)]
+    data = [tuple(torch.from_numpy(a) for a in task.rank_batch(s, batch, d, dp)) for s in range(warmup + steps)]
     losses, times = [], []
     for s, (x, y) in enumerate(data):
         if s == warmup:
@@ -101,15 +128,19 @@ def _train(kind: str, cfg, steps: int, warmup: int, batch: int, iface: str, loca
         dist.barrier()
     wall = time.perf_counter() - t_start
     c1 = _counters(iface) if local_rank == 0 else (0, 0)
-    led = hsdp.label_axes(lt.recorder().ledger().filter(rank=r, step=warmup), *mesh.mesh.shape) \
-        if mesh.ndim == 2 else hsdp.label_axes(lt.recorder().ledger().filter(rank=r, step=warmup), 1, n)
+    led = lt.recorder().ledger().filter(rank=r, step=warmup)
+    if kind in ("fsdp", "hsdp"):
+        led = hsdp.label_axes(led, *mesh.mesh.shape) if mesh.ndim == 2 else hsdp.label_axes(led, 1, n)
     rows = [(rec.op, rec.nbytes, rec.group_size, list(rec.group_ranks or ()), rec.axis) for rec in led]
+    tp = 1 if kind in ("fsdp", "hsdp") else n // dp
     return {"losses": losses, "step_s": times[warmup:], "wall_s": wall, "tx": c1[0] - c0[0], "lo": c1[1] - c0[1], "ops": rows,
-            "wire": costs.ledger_wire_bytes(led)}
+            "wire": costs.ledger_wire_bytes(led), "compute_s": _compute_only(cfg, batch, dp, tp=tp)}
 
 
-def _compute_only(cfg, batch: int, n: int, reps: int = 3) -> float:
-    """Median seconds of forward + backward + AdamW on one process's local batch: the step minus communication."""
+def _compute_only(cfg, batch: int, n: int, reps: int = 3, tp: int = 1) -> float:
+    """Median seconds of forward + backward + AdamW on one process's local batch: the step minus communication.
+    With tensor parallel (``tp`` > 1) a rank does ``1/tp`` of that work on its data-parallel rank's rows (the
+    model's assumption: a perfect split of the matmuls)."""
     import torch
     from course_lib.models import loss_fn, torch_gpt
     from course_lib.models.data import TokenTask
@@ -123,7 +154,7 @@ def _compute_only(cfg, batch: int, n: int, reps: int = 3) -> float:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]) / tp
 
 
 # -- the JAX variant: one process per node, 2 CPU devices each ----------------------------------------------
@@ -215,6 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--sizes", type=int, nargs="+", default=[256 * 1024, 1024 * 1024, 2048 * 1024])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kinds", nargs="+", default=["fsdp", "hsdp"], choices=KINDS)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.jax:
@@ -237,7 +269,7 @@ def main(argv=None) -> int:
     with lt.paused():
         dist.all_gather_object(where, {"iface": iface, "node": int(os.environ.get("GROUP_RANK", -1))})
         calib = _calibrate(hsdp.hsdp_mesh(nodes, n // nodes), a.sizes, a.reps, iface, local)
-    runs = {kind: _train(kind, LAB_CONFIG, a.steps, a.warmup, a.batch, iface, local) for kind in ("fsdp", "hsdp")}
+    runs = {kind: _train(kind, LAB_CONFIG, a.steps, a.warmup, a.batch, iface, local) for kind in a.kinds}
     compute = _compute_only(LAB_CONFIG, a.batch, n)
     everyone = [None] * n
     with lt.paused():

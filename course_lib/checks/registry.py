@@ -1,4 +1,4 @@
-"""One registry of the course's exercises: each check declared once, with everything else reads from it.
+"""One registry of the course's exercises: each check declared once, and everything else reads it from there.
 
 A lab's check module declares each exercise where its check is defined::
 
@@ -77,7 +77,7 @@ def exercise(lab: str, name: str, *, cell: str, hints: Sequence[str], tests: str
 def _load_all() -> None:
     """Import every ``checks.labNN`` module, so that every exercise is declared."""
     for m in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if re.fullmatch(r"lab\d\d", m.name):
+        if re.fullmatch(r"lab\d\d(_\w+)?", m.name):
             importlib.import_module(f"course_lib.checks.{m.name}")
 
 

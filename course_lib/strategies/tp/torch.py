@@ -192,11 +192,12 @@ def full_weights(model) -> dict[str, np.ndarray]:
         log.setLevel(level)
 
 
-def train_2d(cfg, dp: int, tp: int, *, steps: int = 3, batch: int = 8, lr: float = 0.5, seed: int = 0):
+def train_2d(cfg, dp: int, tp: int, *, steps: int = 3, batch: int = 8, lr: float = 0.5, seed: int = 0,
+             plan: dict | None = None):
     """On a rank: the course GPT as FSDP × TP on a (dp, tp) mesh, SGD (Adam would divide tiny gradients by
     tiny norms and turn rounding into visible weight differences), ``steps`` steps of ``batch`` global
     rows (``batch / dp`` per data-parallel rank). Returns losses, the whole final weights, the local unit
-    shapes and each step's ledger phase label. With ``dp = tp = 1`` it is the single-device reference."""
+    shapes. ``plan``: the block plan (default :func:`gpt_plan`). With ``dp = tp = 1``: the single-device reference."""
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
@@ -204,7 +205,7 @@ def train_2d(cfg, dp: int, tp: int, *, steps: int = 3, batch: int = 8, lr: float
     model = torch_gpt(cfg, seed)
     if dp * tp > 1:
         mesh = mesh_2d(dp, tp)
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], plan)
         units = local_unit_shapes(model)
         apply_fsdp(model, mesh["dp_shard"])
         d = mesh["dp_shard"].get_local_rank()
