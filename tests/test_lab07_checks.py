@@ -123,9 +123,21 @@ def load_wrong_keys(model, optimizer, path):
     set_state_dict(model, optimizer, model_state_dict=sd["model_state"], optim_state_dict=sd["optimizer"])
 
 
+def load_keeps_fresh_param_groups(model, optimizer, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    fresh = [dict(g) for g in optimizer.param_groups]
+    sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for g, f in zip(optimizer.param_groups, fresh):   # "the schedule sets the LR anyway": it does not
+        g["lr"] = f["lr"]
+
+
 def test_load_resharded_right_and_stub(capsys):
     assert lab07.check_load_resharded(load_right) is True
-    assert "✅ load_resharded: saved at 4 ranks, loaded at 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "✅ load_resharded: saved at 4 ranks, loaded at 2" in out and "equal never stopping" in out
     assert lab07.check_load_resharded(load_stub) is False
     assert "⏳ load_resharded: not implemented yet" in capsys.readouterr().out
 
@@ -135,6 +147,7 @@ def test_load_resharded_right_and_stub(capsys):
     (load_without_reading, "the checkpoint was never read into them"),
     (load_torch_file, "is one rank's slices in DCP's layout"),
     (load_wrong_keys, "the template's keys or shapes differ from the saved ones"),
+    (load_keeps_fresh_param_groups, "the optimizer's hyper-parameters were not restored"),
 ])
 def test_load_resharded_wrong_answers_are_named(wrong, says):
     with pytest.raises(CheckFailed) as err:

@@ -58,7 +58,8 @@ TESTS = {
                 "bit for bit, and the next 2 losses equal never stopping",
     "load_resharded": "a {'model', 'optim'} checkpoint saved by FSDP2 + AdamW at 4 ranks, loaded with your "
                       "function into a fresh model and optimizer at 2 ranks: every weight and Adam tensor "
-                      "bit-identical to what was saved",
+                      "bit-identical to what was saved, the param groups (LR after warm-up, betas, eps, weight "
+                      "decay) restored, and 2 more steps give the losses of the run that never stopped",
     "restore_target": "a small state saved on 8 devices, restored with your targets onto 4 and onto 1: abstract "
                       "arrays, same shapes and dtypes, NamedShardings on the new mesh with the FSDP rule's "
                       "specs, values bit-identical",
@@ -136,7 +137,20 @@ def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
 
 
 # -- exercise 2: load at another world size -----------------------------------------------------------
-def _save_on_rank(cfg, path, steps: int = 2):
+HYPER = ("lr", "betas", "eps", "weight_decay")   #: what a param group carries besides its tensors
+
+
+def _continue(model, opt, data, steps: int) -> list[float]:
+    """``steps`` more steps with no scheduler (the LR stays what the param groups hold): global mean losses."""
+    import torch
+    import torch.distributed as dist
+    from course_lib.strategies.checkpoint import torch as ck
+    local = torch.tensor([ck.train_step(model, opt, None, data) for _ in range(steps)], dtype=torch.float64)
+    dist.all_reduce(local)
+    return (local / dist.get_world_size()).tolist()
+
+
+def _save_on_rank(cfg, path, steps: int = 2, after: int = 2):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from course_lib.strategies.checkpoint import torch as ck
@@ -145,13 +159,15 @@ def _save_on_rank(cfg, path, steps: int = 2):
         ck.train_step(model, opt, sched, data)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    return ck.full_state(model, opt)
+    state = ck.full_state(model, opt)
+    hyper = [{k: g[k] for k in HYPER} for g in opt.param_groups]
+    return {"state": state, "hyper": hyper, "straight": _continue(model, opt, data, after), "step": data.step - after}
 
 
-def _load_on_rank(fn, cfg, path):
+def _load_on_rank(fn, cfg, path, step: int, after: int = 2):
     import torch
     from course_lib.strategies.checkpoint import torch as ck
-    model, opt, _, _ = ck.resumable_run(cfg, seed=1)
+    model, opt, _, data = ck.resumable_run(cfg, seed=1)
     init = ck.full_state(model)
     try:
         fn(model, opt, path)
@@ -160,11 +176,15 @@ def _load_on_rank(fn, cfg, path):
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"}
     got = ck.full_state(model, opt)
-    return {"state": got, "init": all(torch.equal(init[k], got[k]) for k in init)}
+    hyper = [{k: g[k] for k in HYPER} for g in opt.param_groups]
+    data.step = step                      # the data position is not this exercise's: set it as saved
+    return {"state": got, "init": all(torch.equal(init[k], got[k]) for k in init), "hyper": hyper,
+            "resumed": _continue(model, opt, data, after)}
 
 
 @exercise("07", 'load_resharded', cell='def load_resharded(', hints=HINTS['load_resharded'], tests=TESTS['load_resharded'],
-          mistakes={'optimizer not restored': 'optimizer state not restored', 'checkpoint never read': 'the checkpoint was never read into them'})
+          mistakes={'optimizer not restored': 'optimizer state not restored', 'checkpoint never read': 'the checkpoint was never read into them',
+                    'hyper-parameters not restored': "the optimizer's hyper-parameters were not restored"})
 def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2, name: str = "load_resharded") -> bool:
     """``fn(model, optimizer, path)`` loads a ``{"model", "optim"}`` DCP checkpoint saved at another world size
     into an FSDP2 model + AdamW: weights and optimizer state bit-identical."""
@@ -172,8 +192,9 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
     from course_lib.launch import run
     cfg = GPTConfig(seq_len=31, d_ff=199)
     with checks.check(name, tests=TESTS["load_resharded"]) as c, tempfile.TemporaryDirectory() as path:
-        saved = run(_save_on_rank, cfg, path, world_size=save_world_size)[0]
-        out = run(_load_on_rank, fn, cfg, path, world_size=load_world_size)
+        ran = run(_save_on_rank, cfg, path, world_size=save_world_size)[0]
+        saved = ran["state"]
+        out = run(_load_on_rank, fn, cfg, path, ran["step"], world_size=load_world_size)
         for r, o in enumerate(out):
             if "error" in o:
                 err = o["error"]
@@ -200,8 +221,20 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
                 raise AssertionError(f"rank {r}: optimizer state not restored ({len(bad)} of {len(optim)} tensors, "
                                      f"e.g. {example}) → load it too: a resumed Adam with fresh moments is not "
                                      "the optimizer that was saved")
+            for i, (g, want) in enumerate(zip(o["hyper"], ran["hyper"])):
+                diff = {k: (g[k], want[k]) for k in HYPER if g[k] != want[k]}
+                if diff:
+                    raise AssertionError(
+                        f"rank {r}: param group {i} after the load has " + ", ".join(
+                            f"{k}={a} where the saved optimizer had {b}" for k, (a, b) in diff.items())
+                        + " → the optimizer's hyper-parameters were not restored: the param groups stay the fresh "
+                        "optimizer's (set_state_dict puts back the saved param groups with the state; the warm-up "
+                        "had already raised the LR)")
+        checks.assert_close(f"the {len(ran['straight'])} losses after the load vs never stopping",
+                            [o["resumed"] for o in out], [ran["straight"]] * len(out), **checks.TOLERANCES["fp32"])
         c.ok(f"saved at {save_world_size} ranks, loaded at {load_world_size}: {len(saved)} tensors (weights, Adam "
-             "m, v, step) bit-identical")
+             f"m, v, step) bit-identical, the param groups restored, and the next {len(ran['straight'])} losses "
+             "equal never stopping")
     return bool(c.passed)
 
 
