@@ -113,6 +113,18 @@ def buckets_close_after_overflow(params, cap_bytes):   # adds the tensor first, 
     return out + ([cur] if cur else [])
 
 
+def buckets_strict_cap(params, cap_bytes):   # "at most" read as "less than": >= where the text says >
+    out, cur, size = [], [], 0
+    for p in reversed(list(params)):
+        b = p.numel() * p.element_size()
+        if cur and size + b >= cap_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += b
+    return out + ([cur] if cur else [])
+
+
 def buckets_drop_last(params, cap_bytes):  # forgot the last, partly filled bucket
     return dp.make_buckets(params, cap_bytes)[:-1]
 
@@ -133,6 +145,7 @@ def test_make_buckets_stub_is_not_implemented(capsys):
     (buckets_forward, "walk the parameters in reverse"),
     (buckets_by_numel, "exceeds cap_bytes"),
     (buckets_drop_last, "exactly one bucket"),
+    (buckets_strict_cap, "may hold exactly cap_bytes"),
     (buckets_close_after_overflow, "exceeds cap_bytes"),
 ])
 def test_make_buckets_names_the_mistake(wrong, says):

@@ -92,6 +92,10 @@ def _smallest_fit(psi, world, per_node, budget, bwi, bwx):
     return fits[0] if fits else None
 
 
+def _strict_budget(psi, world, per_node, budget, bwi, bwx):   # "fits" read as strictly below the budget
+    return lab06.reference_choose_f(psi, world, per_node, budget * (1 - 1e-12), bwi, bwx)
+
+
 def _largest_fit(psi, world, per_node, budget, bwi, bwx):
     fits = [F for F in range(1, world + 1) if world % F == 0 and 16 * psi / F <= budget]
     return fits[-1] if fits else None
@@ -102,6 +106,7 @@ def _largest_fit(psi, world, per_node, budget, bwi, bwx):
     (lambda psi, world, per_node, *a: per_node, "compare the predicted times|does not fit|fits for every F"),
     (_smallest_fit, "predicted time"),                                                # memory only
     (_largest_fit, "plain FSDP"),                                                     # as much sharding as possible
+    (_strict_budget, "exactly the budget, and fits"),                                 # < where the text says <=
     (lambda psi, world, per_node, budget, *a: max(1, math.ceil(16 * psi / budget)), "must divide|does not fit|predicted"),
 ])
 def test_choose_f_wrong(fn, diagnosis):

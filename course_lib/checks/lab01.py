@@ -110,11 +110,12 @@ def check_average_gradients(fn, world_size: int = 4, batch: int = 12, name: str 
 
 
 @exercise("01", 'make_buckets', cell='def my_make_buckets(', hints=HINTS['make_buckets'],
-          mistakes={'forward order': 'reverse'})
+          mistakes={'forward order': 'reverse', 'exact fit split': "a bucket may hold exactly cap_bytes"})
 def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy)."""
     from course_lib import checks
-    cases = [((10, 10, 30, 5), 64), ((17 * 257, 257, 5 * 257, 5), 4096), ((3, 4, 5), 10**6), ((8, 8, 8, 8), 32)]
+    cases = [((10, 10, 30, 5), 64), ((17 * 257, 257, 5 * 257, 5), 4096), ((3, 4, 5), 10**6), ((8, 8, 8, 8), 32),
+             ((8, 8, 16), 64)]   # the last: two 32-byte tensors fill a 64-byte bucket exactly, and may
     with checks.check(name, tests='buckets in reverse parameter order, each at most cap_bytes (a bigger tensor alone), covering every parameter once') as c:
         for numels, cap in cases:
             ps = [torch.zeros(k, requires_grad=True) for k in numels]
@@ -132,6 +133,9 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
                 msg += "\n   likely mistake: backward produces gradients last layer first: walk the parameters in reverse"
             elif any(len(b) > 1 and sum(4 * numels[i] for i in b) > cap for b in got_i):
                 msg += "\n   likely mistake: a bucket exceeds cap_bytes (bytes = numel * element_size(), 4 for float32)"
+            elif any(sum(4 * numels[i] for i in b) == cap for b in exp_i if len(b) > 1):
+                msg += ("\n   likely mistake: a bucket may hold exactly cap_bytes ('at most'): close it only when the "
+                        "next tensor would go *over* the cap (>, not >=)")
             raise AssertionError(msg)
         c.ok(f"{len(cases)} cases match (reverse order, greedy, a big tensor alone)")
     return bool(c.passed)

@@ -217,14 +217,16 @@ _F_CASES = [  # (psi, world, per_node, budget bytes, bw_intra, bw_inter) -> the 
     (1_000_000_000, 16, 8, 64e9, 300 * GB, 300 * GB),    # one flat fast network: F = 1 (DDP) moves the least
     (2_000_000_000, 8, 8, 10e9, 300 * GB, 25 * GB),      # one node: F = 8 (FSDP inside it)
     (1_000_000_000, 16, 4, 0.5e9, 300 * GB, 25 * GB),    # nothing fits, not even F = 16: None
+    (1_000_000_000, 16, 8, 2e9, 300 * GB, 25 * GB),      # 16Ψ/8 = 2 GB: F = 8 fits exactly ("fits" is <=)
 ]
 
 
 @exercise("06", 'choose_f', cell='def choose_f(', hints=HINTS['choose_f'],
-          mistakes={'plain FSDP': 'plain FSDP', 'time not compared': 'predicted time'})
+          mistakes={'plain FSDP': 'plain FSDP', 'time not compared': 'predicted time',
+                    'exact fit refused': "'fits' means at most the budget"})
 def check_choose_f(fn, name: str = "choose_f") -> bool:
     """``fn(psi, world, per_node, budget, bw_intra, bw_inter) -> F or None``."""
-    with checks.check(name, tests="6 clusters and budgets: the F that fits 16Ψ/F in the budget and moves a step's "
+    with checks.check(name, tests="7 clusters and budgets (one an exact fit): the F that fits 16Ψ/F in the budget and moves a step's "
                       "bytes fastest, None when nothing fits") as c:
         for case in _F_CASES:
             psi, world, per_node, budget, bwi, bwx = case
@@ -241,6 +243,9 @@ def check_choose_f(fn, name: str = "choose_f") -> bool:
             if got is not None and 16 * psi / got > budget:
                 raise AssertionError(f"{where} → F={got} does not fit: 16Ψ/F = {16 * psi / got / GB:g} GB > "
                                      f"{budget / GB:g} GB")
+            if 16 * psi / want == budget:
+                raise AssertionError(f"{where} → 16Ψ/F = {16 * psi / want / GB:g} GB for F={want} is exactly the "
+                                     "budget, and fits: 'fits' means at most the budget (<=, not <)")
             if got == world:
                 raise AssertionError(f"{where} → F = N (plain FSDP) fits, but its all-gathers cross the slow "
                                      "inter-node link; a smaller F that fits keeps them inside a node")
