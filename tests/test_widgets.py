@@ -313,3 +313,26 @@ def test_controls_and_legend_entries_that_do_not_apply_are_hidden():
     assert "0.000 to 3.000 ms" in wd.timeline.value             # the early start is the origin
     full = show_traffic(_ledger())                              # a run with steps still has its step control
     assert full.step in list(_descendants(full)) and "no phase" not in full.legend.value
+
+
+def test_traffic_boxes_coloured_by_mesh_axis():
+    """``color_by="axis"``: every box of one mesh axis has that axis's colour, and the legend names the axes."""
+    import re
+    from course_lib.comm.ledger import CollectiveRecord, Ledger
+    from course_lib.maths.traffic import traffic_rows
+    from course_lib.widgets.timeline_svg import axis_colors, traffic_svg
+    recs = [CollectiveRecord(op=op, nbytes=1024, dtype="float32", group_size=2, rank=r, axis=axis, start=0.001 * k,
+                             end=0.001 * k + 0.0005, step=0)
+            for k, (op, axis) in enumerate([("all_gather", "dp_shard"), ("all_reduce", "tp"), ("all_reduce", "tp")])
+            for r in (0, 1)]
+    rows = traffic_rows(Ledger(recs))
+    colours = axis_colors(rows)
+    svg = traffic_svg(rows, color_by="axis")
+    fills = re.findall(r'data-op="(\w+)"[^>]*><title>[^<]*</title><rect [^>]*fill="(#\w+)"', svg)
+    assert fills and {(op, c) for op, c in fills} == {("all_gather", colours["dp_shard"]), ("all_reduce", colours["tp"])}
+    assert colours["dp_shard"] != colours["tp"]
+    from course_lib.widgets import show_traffic
+    widget = show_traffic(Ledger(recs), color_by="axis")
+    assert "box colour = mesh axis" in widget.legend.value and "dp_shard" in widget.legend.value
+    with pytest.raises(ValueError, match="color_by"):
+        traffic_svg(rows, color_by="phase")

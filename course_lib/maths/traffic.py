@@ -78,7 +78,7 @@ def traffic_rows(ledger, *, step=None, rank=None, align: bool = True) -> list[di
             d = shift.get(r.rank, 0.0)
             x0, x1 = r.start - d, (r.end - d if r.end is not None and r.end > r.start else None)
         if (step is None or r.step == step) and (rank is None or r.rank == rank):
-            rows.append(dict(i=i, rank=r.rank, op=r.op, phase=r.phase, step=r.step, group=group_label(r, world),
+            rows.append(dict(i=i, rank=r.rank, op=r.op, phase=r.phase, step=r.step, group=group_label(r, world), axis=r.axis,
                              group_size=r.group_size, payload=r.nbytes, wire=record_wire_bytes(r), dtype=r.dtype,
                              start=r.start, end=r.end, x0=x0, x1=x1, name=r.name))
     # a torch op whose completion time was not recorded: draw it up to the next op on its rank (at most 1 ms)

@@ -13,12 +13,22 @@ import math
 
 from course_lib.widgets.base import esc, rank_color, svg_size
 
-__all__ = ["traffic_svg", "run_order", "time_origin", "time_ticks", "PHASE_COLORS", "OP_SHORT", "MIN_BOX"]
+__all__ = ["traffic_svg", "run_order", "time_origin", "time_ticks", "axis_colors", "PHASE_COLORS", "OP_SHORT",
+           "MIN_BOX"]
 
 PHASE_COLORS = {"forward": "#e3ecfa", "backward": "#fbe5e1", "optimizer": "#e2f3e4", None: "#f2f2f2"}
 OP_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC", "all_to_all": "A2A",
             "collective_permute": "CP", "reduce": "R", "gather": "G", "scatter": "S", "send": "SD", "recv": "RV"}
 MIN_BOX = 6.0   # px: the narrowest box drawn, however short the collective
+#: Box colours by mesh axis (``color_by="axis"``), in order of first appearance; no axis recorded: grey.
+_AXIS_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+
+
+def axis_colors(rows: list[dict]) -> dict:
+    """``{axis: colour}`` for the axes of ``rows`` (sorted, so a colour means the same axis in every view)."""
+    axes = sorted({r.get("axis") for r in rows if r.get("axis")})
+    out = {a: _AXIS_PALETTE[k % len(_AXIS_PALETTE)] for k, a in enumerate(axes)}
+    return {**out, None: "#888888"}
 
 _LBL, _W, _RIGHT = 84, 560, 28        # rank labels | timeline | room for the last tick label
 _ROWH, _BOX_Y, _BOX_H = 46, 25, 18    # per row: two lines of labels (for short boxes) above the box
@@ -91,13 +101,18 @@ def _label(out: list, r: dict, x0: float, wd: float, y: int, ends: list[float], 
                f'fill="{rank_color(r["rank"])}"{weight}>{text}</text>')
 
 
-def traffic_svg(rows: list[dict], highlight: int | None = None, origin: float | None = None) -> str:
+def traffic_svg(rows: list[dict], highlight: int | None = None, origin: float | None = None,
+                color_by: str = "rank") -> str:
     """The timeline: one row per rank, a box per collective (rank colour, op initials), phase bands behind,
     the gaps between boxes are compute (or waiting). Hover a box for its record.
 
     ``highlight``: the ledger index ``i`` of the row to outline. ``origin``: seconds subtracted from every
     time (default :func:`time_origin` of ``rows``; the widget passes the whole ledger's, so a step shown
-    alone keeps its times)."""
+    alone keeps its times). ``color_by``: ``"rank"`` (default) or ``"axis"`` (the mesh axis each ran over)."""
+    if color_by not in ("rank", "axis"):
+        raise ValueError(f"color_by={color_by!r}: 'rank' or 'axis'")
+    by_axis = axis_colors(rows)
+    fill = (lambda r: rank_color(r["rank"])) if color_by == "rank" else (lambda r: by_axis[r.get("axis")])  # noqa: E731
     ranks = sorted({r["rank"] for r in rows})
     if not rows:
         return (f'<svg class="traffic-timeline" xmlns="http://www.w3.org/2000/svg" {svg_size(300, 30)}>'
@@ -156,7 +171,7 @@ def traffic_svg(rows: list[dict], highlight: int | None = None, origin: float | 
             stroke = 'stroke="black" stroke-width="2"' if lit else 'stroke="white" stroke-width="0.5"'
             out.append(f'<g class="collective" data-op="{r["op"]}" data-rank="{r["rank"]}" data-k="{order[r["i"]]}">'
                        f'<title>{esc(tip)}</title><rect x="{x0:.1f}" y="{y + _BOX_Y}" width="{wd:.1f}" height="{_BOX_H}" '
-                       f'fill="{rank_color(r["rank"])}" {stroke}/>')
+                       f'fill="{fill(r)}" {stroke}/>')
             _label(out, r, x0, wd, y, ends, lit)
             out.append("</g>")
     unit = ("time in ms (ranks' clocks aligned on the ends of their collectives)" if timed

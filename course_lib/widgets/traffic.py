@@ -15,7 +15,7 @@ import ipywidgets as w
 
 from course_lib.maths.traffic import as_ledger, group_label, traffic_by_group, traffic_compare, traffic_rows, traffic_totals
 from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color
-from course_lib.widgets.timeline_svg import OP_SHORT, PHASE_COLORS, run_order, time_origin, traffic_svg
+from course_lib.widgets.timeline_svg import OP_SHORT, PHASE_COLORS, axis_colors, run_order, time_origin, traffic_svg
 
 __all__ = ["show_traffic", "traffic_svg", "traffic_figure", "traffic_text", "TrafficWidget", "PHASE_COLORS", "OP_SHORT",
            "group_label", "traffic_rows", "traffic_totals", "traffic_by_group", "traffic_compare"]
@@ -61,7 +61,7 @@ def _groups_html(groups) -> str:
             "<th>calls</th><th>payload V</th><th>wire</th></tr>" + body + "</table>")
 
 
-def _legend(led) -> str:
+def _legend(led, color_by: str = "rank") -> str:
     """The phases and ops this ledger has, and no others (no "optimizer" swatch for a run without one)."""
     phases = {r.phase for r in led}
     known = [p for p in PHASE_COLORS if p in phases and p is not None] + sorted(str(p) for p in phases - set(PHASE_COLORS))
@@ -72,7 +72,11 @@ def _legend(led) -> str:
                     f'solid #ccc;margin-right:3px"></span>{esc(p or "no phase")}</span>' for p in known)
     ops = ", ".join(f"{OP_SHORT.get(o, o)} {o.replace('_', '-')}" for o in sorted({r.op for r in led}))
     return (f'<div class="traffic-legend" style="font-size:12px">' + (f"phase (background): {items}" if known else "")
-            + f"box colour = rank; {ops}</div>")
+            + (f"box colour = rank; {ops}</div>" if color_by == "rank" else
+               "box colour = mesh axis: " + "".join(
+                   f'<span class="legend-axis" style="display:inline-block;margin-right:10px"><span style="display:'
+                   f'inline-block;width:11px;height:11px;background:{c};margin-right:3px"></span>{esc(a)}</span>'
+                   for a, c in axis_colors([{"axis": r.axis} for r in led]).items() if a is not None) + f"; {ops}</div>"))
 
 
 def traffic_text(ledger, analytic=None, title=None) -> str:
@@ -130,8 +134,8 @@ class TrafficWidget(StaticFallback, w.VBox):
     not apply to the ledger is not shown: no step control without two step numbers, no rank control for one
     row."""
 
-    def __init__(self, ledger, analytic=None, title=None):
-        self.ledger, self.analytic, self.title = as_ledger(ledger), analytic, title
+    def __init__(self, ledger, analytic=None, title=None, color_by: str = "rank"):
+        self.ledger, self.analytic, self.title, self.color_by = as_ledger(ledger), analytic, title, color_by
         self.steps = sorted({r.step for r in self.ledger.filter() if r.step is not None})
         ranks = self.ledger.ranks() or [-1]
         all_rows = traffic_rows(self.ledger)
@@ -145,7 +149,7 @@ class TrafficWidget(StaticFallback, w.VBox):
         self.op_of = w.Label(f"of {len(all_rows)} (run order)")
         self.timeline, self.detail, self.compare, self.totals = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         self.groups, self._busy = w.HTML(), False
-        self.legend = w.HTML(_legend(self.ledger.filter()))
+        self.legend = w.HTML(_legend(self.ledger.filter(), color_by))
         head = w.HTML(f"<b>{esc(title or 'Collective traffic')}</b> &mdash; one row per rank, one box per collective "
                       "(hover it for its record); the gaps between boxes are compute (or waiting).")
         controls = [c for c, applies in ((self.step, len(self.steps) > 1), (self.rank, len(ranks) > 1)) if applies]
@@ -172,7 +176,7 @@ class TrafficWidget(StaticFallback, w.VBox):
         seq = run_order(rows)  # run order: aligned time, or program order
         k = self.op.value
         cur = seq[k - 1] if 0 < k <= len(seq) else None
-        self.timeline.value = traffic_svg(rows, cur["i"] if cur else None, origin=self.origin)
+        self.timeline.value = traffic_svg(rows, cur["i"] if cur else None, origin=self.origin, color_by=self.color_by)
         if cur:
             where = ", ".join(x for x in ("all devices" if cur["rank"] < 0 else f'rank {cur["rank"]}',
                                           None if cur["step"] is None else f'step {cur["step"]}',
@@ -203,11 +207,12 @@ class TrafficWidget(StaticFallback, w.VBox):
         return traffic_figure(self.ledger, self.analytic, self.title)
 
 
-def show_traffic(ledger, *, analytic=None, title=None) -> TrafficWidget:
+def show_traffic(ledger, *, analytic=None, title=None, color_by: str = "rank") -> TrafficWidget:
     """The traffic widget for a ledger (a ``Ledger``, a ``RunResult``, or ``to_dicts()`` rows).
 
     ``analytic``: a ``costs.StepCost`` (e.g. ``costs.step_cost("fsdp", units, n)``) or ``{op: wire bytes}``
-    per rank per step; the widget puts the measured bytes beside it with their ratio.
+    per rank per step; the widget puts the measured bytes beside it with their ratio. ``color_by="axis"``
+    colours each box by the mesh axis it ran over (2-D meshes: which collectives are TP's, which FSDP's).
     """
-    return TrafficWidget(ledger, analytic, title)
+    return TrafficWidget(ledger, analytic, title, color_by)
 
