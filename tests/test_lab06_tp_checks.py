@@ -89,3 +89,25 @@ def test_a_missing_entry_is_named():
         return shape, names, plan
     with pytest.raises(CheckFailed, match=r"no entry for \['attn.k'\]"):
         lab06_tp.check_tp_plan(fn)
+
+
+def test_forgetting_only_the_heads_is_caught():
+    def no_heads(n_heads, d_ff, tp, nodes, gpus_per_node):
+        if d_ff % tp or gpus_per_node % tp:
+            raise ValueError("no")
+        return right(n_heads, d_ff, 1, nodes, gpus_per_node)[:0] + ((nodes * gpus_per_node // tp, tp), ("dp_shard", "tp"),
+                                                                    right(6, 198, 1, 1, 1)[2])
+    with pytest.raises(CheckFailed, match=r"n_heads\(6\) % tp\(4\) = 2"):
+        lab06_tp.check_tp_plan(no_heads)
+
+
+def test_a_refusal_of_the_wrong_kind_says_valueerror_is_expected():
+    def asserts(n_heads, d_ff, tp, nodes, gpus_per_node):
+        assert n_heads % tp == 0 and d_ff % tp == 0 and gpus_per_node % tp == 0, "tp must divide"
+        return right(n_heads, d_ff, tp, nodes, gpus_per_node)
+    with pytest.raises(CheckFailed, match=r"raised AssertionError\(tp must divide\); .* expects ValueError"):
+        lab06_tp.check_tp_plan(asserts)
+
+
+def test_a_list_is_as_good_as_a_tuple():
+    assert lab06_tp.check_tp_plan(lambda *a: list(right(*a)))

@@ -16,10 +16,12 @@ HINTS = {
     "tp_plan": [
         "Megatron's pairing: a Linear whose input is the whole activation cuts its *output* features; the "
         "Linear after it then gets exactly the slice it needs as its *input* features, and one all-reduce "
-        "makes its output whole again. TP's many small all-reduces want the fastest link.",
+        "makes its output whole again. The mesh has two dims, and TP's many small all-reduces want the "
+        "fastest link: which ranks share a node decides where a tensor group may go.",
         "q, k, v and the MLP's fc take the whole activation; attn.proj and mlp.proj take a slice. Each rank "
-        "must compute whole heads and an equal slice of d_ff. A tensor group must not leave a node: ranks "
-        "d·T + t are consecutive, so 'tp' is the mesh's last dimension. Refuse (ValueError) what cannot work.",
+        "must compute whole heads and an equal slice of d_ff. A tensor group must not leave a node: on a mesh "
+        "(dp_shard, tp), rank = dp_index·tp + tp_index, so the tp ranks of a group are consecutive -- one node's "
+        "when 'tp' is the last dimension and tp divides gpus_per_node. Refuse the rest with ValueError.",
         "check n_heads % tp, d_ff % tp, gpus_per_node % tp; return (nodes * gpus_per_node // tp, tp), "
         "('dp_shard', 'tp'), {'attn.q': ColwiseParallel(), ..., 'attn.proj': RowwiseParallel(), "
         "'mlp.fc': ColwiseParallel(), 'mlp.proj': RowwiseParallel()}",
@@ -33,7 +35,7 @@ PAIRS = {"attn.q": "attn.proj", "attn.k": "attn.proj", "attn.v": "attn.proj", "m
 #: (n_heads, d_ff, tp, nodes, gpus_per_node, what must happen)
 CASES = [
     (6, 198, 2, 2, 2, "ok"), (32, 14336, 8, 4, 8, "ok"), (16, 4096, 4, 2, 8, "ok"), (6, 198, 1, 1, 4, "ok"),
-    (6, 198, 4, 2, 4, "heads"), (8, 198, 4, 2, 4, "d_ff"), (8, 4096, 8, 4, 4, "node"), (8, 4096, 4, 2, 6, "node"),
+    (6, 200, 4, 2, 4, "heads"), (8, 198, 4, 2, 4, "d_ff"), (8, 4096, 8, 4, 4, "node"), (8, 4096, 4, 2, 6, "node"),
 ]
 
 
@@ -52,10 +54,13 @@ def _style_mistake(plan: dict) -> str | None:
     """What is wrong with a block plan, or None."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if not isinstance(plan, dict):
+        return f"the plan is a {type(plan).__name__}: a dict from each Linear's name in the block to its ParallelStyle"
     missing = [m for m in COLUMN + ROW if m not in plan]
     if missing:
         return (f"the plan has no entry for {missing}: every Linear of the block must be cut, or its weights are "
-                "whole on every rank and its input is the wrong size")
+                "whole on every rank and its input is the wrong size (the block's attention is split into separate "
+                "q, k, v Linears by tpt.split_attention_ before the plan is applied: name those three)")
     for m in COLUMN:
         if isinstance(plan[m], RowwiseParallel):
             return (f"{m} is row-wise, but its input is the whole activation (every rank has all of it): cut its "
@@ -111,20 +116,31 @@ def check_tp_plan(fn, name: str = "tp_plan") -> bool:
                     continue
                 raise AssertionError(f"{where} raised ValueError({e}), but this layout works\n   likely mistake: "
                                      "refuse only what cannot work (tp not dividing the heads, d_ff or a node)") from None
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a refusal of the wrong kind, or a crash: say which
+                if want == "ok":
+                    raise
+                said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise AssertionError(f"{where} raised {type(e).__name__}({said}); this layout must be refused, and the "
+                                     "check expects ValueError (raise ValueError(...) naming the values), not an "
+                                     "assert or another exception") from None
             if want == "heads":
                 why = (f"n_heads({heads}) % tp({tp}) = {heads % tp}: each rank must compute whole heads (q's output "
-                       "is cut by heads); raise ValueError naming both")
+                       "is cut by heads); raise ValueError naming n_heads and tp")
             elif want == "d_ff":
-                why = f"d_ff({d_ff}) % tp({tp}) = {d_ff % tp}: DTensor's from_local assumes equal slices; raise ValueError"
+                why = (f"d_ff({d_ff}) % tp({tp}) = {d_ff % tp}: fc's output slice is mlp.proj's input, and every "
+                       "rank's slice must be the same size; raise ValueError naming d_ff and tp")
             elif want == "node":
                 why = (f"tp({tp}) does not fit in one node of {gpn} GPUs: a tensor group would span nodes -- TP over the "
                        "inter-node link, where its many small all-reduces are slowest; raise ValueError")
             else:
-                why = (_layout_mistake(got, heads, d_ff, tp, nodes, gpn) if isinstance(got, tuple) and len(got) == 3
-                       else "return (mesh_shape, mesh_dim_names, plan)")
+                three = isinstance(got, (tuple, list)) and len(got) == 3
+                why = (_layout_mistake(got, heads, d_ff, tp, nodes, gpn) if three
+                       else f"returned a {type(got).__name__}: return the three things (mesh_shape, mesh_dim_names, plan)")
                 why = why or _style_mistake(got[2])
             if why:
-                shown = got[:2] if isinstance(got, tuple) else got
+                shown = tuple(got[:2]) if isinstance(got, (tuple, list)) else type(got).__name__
                 raise AssertionError(f"{where}: returned {shown!r}\n   likely mistake: {why}")
         c.ok(f"{len(CASES)} clusters: q, k, v, fc column-wise and both projections row-wise, 'tp' inside a node, "
              "impossible layouts refused")

@@ -96,10 +96,13 @@ def traffic_text(ledger, analytic=None, title=None) -> str:
     return "\n".join(lines)
 
 
-def traffic_figure(ledger, analytic=None, title=None):
-    """Static matplotlib view: the timeline, and measured vs analytic wire bytes per op."""
+def traffic_figure(ledger, analytic=None, title=None, color_by: str = "rank"):
+    """Static matplotlib view: the timeline (boxes coloured by rank, or by mesh axis with a legend), and
+    measured vs analytic wire bytes per op."""
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
     rows = traffic_rows(ledger)
+    by_axis = axis_colors(rows)
     ranks = sorted({r["rank"] for r in rows})
     fig = Figure(figsize=(10, 2.2 + 0.4 * len(ranks)))
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1.3]})
@@ -109,7 +112,10 @@ def traffic_figure(ledger, analytic=None, title=None):
     for j, rk in enumerate(ranks):
         for r in (r for r in rows if r["rank"] == rk):      # at least 0.4% of the axis: short ops stay visible
             ax.broken_barh([((r["x0"] - o) * k, max((r["x1"] - r["x0"]) * k, 0.004 * span))], (j - 0.35, 0.7),
-                           color=rank_color(r["rank"]))
+                           color=rank_color(r["rank"]) if color_by == "rank" else by_axis[r.get("axis")])
+    if color_by == "axis":
+        ax.legend(handles=[Patch(color=c, label=a) for a, c in by_axis.items() if a is not None], fontsize=7,
+                  title="mesh axis", title_fontsize=7, loc="upper left")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" if r >= 0 else "all devices" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(left=0)
@@ -204,7 +210,7 @@ class TrafficWidget(StaticFallback, w.VBox):
         return traffic_text(self.ledger, self.analytic, self.title)
 
     def _static_figure(self):
-        return traffic_figure(self.ledger, self.analytic, self.title)
+        return traffic_figure(self.ledger, self.analytic, self.title, self.color_by)
 
 
 def show_traffic(ledger, *, analytic=None, title=None, color_by: str = "rank") -> TrafficWidget:

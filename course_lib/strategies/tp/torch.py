@@ -13,7 +13,8 @@ Language Models Using Model Parallelism", 2019, sec. 3), as ``torch.distributed.
 
 So a block costs, per step and per tensor group, 2 all-reduces of the activation ``[b, s, d]`` in forward
 (after each row-wise Linear) and 4 in backward (the input gradient of each column-wise Linear: q, k, v, fc
-are partial sums over the group). Then ``fully_shard(..., mesh=mesh["dp_shard"])`` cuts each rank's TP piece
+are partial sums over the group). Megatron's fused qkv sums q's, k's and v's input gradients locally first
+and needs 2 in backward; with three separate Linears ``parallelize_module`` issues one each. Then ``fully_shard(..., mesh=mesh["dp_shard"])`` cuts each rank's TP piece
 again over the data-parallel dim: FSDP's all-gathers and reduce-scatters run there (torchtitan applies TP
 first, then FSDP, the same way).
 
@@ -215,7 +216,7 @@ def train_2d(cfg, dp: int, tp: int, *, steps: int = 3, batch: int = 8, lr: float
     task, losses = TokenTask(cfg.vocab_size, cfg.seq_len, seed=seed), []
     for s in range(steps):
         x, y = (torch.from_numpy(a) for a in task.rank_batch(s, batch, d, dp))
-        with lt.phase("step", step=s):
+        with lt.phase("forward", step=s):         # the ledger labels backward's collectives itself
             loss = loss_fn(model(x), y)
             loss.backward()
         opt.step()
