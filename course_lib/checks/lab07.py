@@ -2,7 +2,11 @@
 at another world size, and an Orbax restore target with shardings.
 
 The torch checks run the learner's code on real gloo ranks and compare, bit for bit, what was saved with
-what came back, piece by piece, so that the feedback names the piece that did not travel.
+what came back, piece by piece, so that the feedback names the piece that did not travel -- and then
+continue the run, since some mistakes (fresh param groups, a stale LR) only show in the steps after a load.
+
+Longer than ~300 lines: three exercise checks, each with its rank-side harness and the diagnoses of its
+classic mistakes.
 """
 from __future__ import annotations
 
