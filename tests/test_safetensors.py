@@ -110,11 +110,11 @@ def test_name_adapter_writes_a_tp_style_model_under_canonical_names(trained, tmp
     assert h.source["dtype"] == ["bfloat16"] and {t["dtype"] for t in h.tensors.values()} == {"F32"}
     want = {k: torch.from_numpy(v).to(torch.bfloat16).float() for k, v in models.to_numpy_weights(model).items()}
     assert all(torch.equal(p, want[k]) for k, p in cs.load_torch(path, cfg).named_parameters())
-    d = {f"layers.{i}": f"blocks.{i}" for i in range(cfg.n_layers)}       # a dict works too (whole names)
-    named = {k.replace("layers.", "blocks."): v for k, v in theirs.items()}
-    cs.save_weights(named, path, cfg, source={"framework": "torch", "format": "state_dict"},
-                    names=dict(zip(named, named)), transform=cs.fuse_qkv)
-    assert d and cs.read_header(path).tensors.keys() == models.weight_shapes(cfg).keys()
+    rename = {k: k.replace("layers.", "blocks.") for k in theirs}         # a dict of whole names works too
+    path.unlink()
+    cs.save_weights(theirs, path, cfg, source={"framework": "torch", "format": "state_dict"}, names=rename,
+                    transform=cs.fuse_qkv)
+    assert set(cs.read_header(path).tensors) == set(models.weight_shapes(cfg))
 
 
 # -- refusals -------------------------------------------------------------------------------------------
@@ -172,11 +172,16 @@ def test_mismatched_files_are_refused_with_shapes_and_the_fix(trained, st_file, 
         cs.load_weights(plain, cfg)
     half = tmp_path / "half.safetensors"
     save_file({k: v.astype(np.float16) for k, v in w.items()}, half)
-    with pytest.raises(cs.SafetensorsError, match=r"blocks.0.ln1.weight: dtype F16, expected F32 \(or pass cast=True"):
+    with pytest.raises(cs.SafetensorsError, match=r"blocks.0.ln1.weight: dtype F16, expected F32 \(or pass cast=True to convert"):
         cs.load_torch(half, cfg)
     back = cs.load_torch(half, cfg, cast=True)                         # explicit: upcast on load
     assert all(p.dtype == torch.float32 and torch.equal(p, torch.from_numpy(w[k].astype(np.float16).astype(np.float32)))
                for k, p in back.named_parameters())
+    from safetensors.torch import save_file as save_torch
+    bf16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in w.items()}
+    save_torch(bf16, tmp_path / "bf16.safetensors")                    # NumPy has no bfloat16: Flax's loader reads it
+    flax_w = models.flax_to_numpy_weights(cs.load_flax(tmp_path / "bf16.safetensors", cfg, cast=True))
+    assert all(np.array_equal(flax_w[k], v.float().numpy()) for k, v in bf16.items())
     ints = tmp_path / "ints.safetensors"
     save_file({k: v.astype(np.int32) for k, v in w.items()}, ints)
     with pytest.raises(cs.SafetensorsError, match=r"dtype I32, expected F32(?! \(or)"):

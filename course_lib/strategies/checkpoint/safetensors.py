@@ -99,7 +99,7 @@ def read_header(path) -> Header:
         problems.append(f"the data region is {data_bytes:,} bytes but the tensors end at "
                         f"{max(t['data_offsets'][1] for t in header.values()):,}")
     if problems:
-        raise bad("damaged: " + _listed(problems, 4, "; "))
+        raise bad("damaged: " + _listed(problems, 4, "; ", quote=False))
     decoded = {}
     for key in ("gpt_config", "source", "tensors"):
         try:
@@ -113,7 +113,7 @@ def read_header(path) -> Header:
 def verify(path, cfg: GPTConfig, *, cast: bool = False, check_crc: bool = True) -> Header:
     """Refuse (``SafetensorsError``) a file that does not hold exactly ``cfg``'s tensors: every missing or extra
     name, every shape against the one ``cfg`` expects, a dtype other than float32 (``cast=True`` accepts any
-    float dtype, upcast on load: exact from bf16 / f16), metadata of another config, a CRC that does not match."""
+    float dtype, converted on load: exact from bf16 / f16, rounded from f64), metadata of another config, a CRC that does not match."""
     h = read_header(path)
     name, problems = Path(path).name, []
     if h.config is not None and h.config != dataclasses.asdict(cfg):
@@ -128,14 +128,14 @@ def verify(path, cfg: GPTConfig, *, cast: bool = False, check_crc: bool = True) 
     problems += [f"{k}: shape {h.tensors[k]['shape']} in the file, {list(s)} for this GPTConfig"
                  for k, s in want.items() if k in h.tensors and tuple(h.tensors[k]["shape"]) != tuple(s)]
     floats = ("F32", "F16", "BF16", "F64")
-    problems += [f"{k}: dtype {t['dtype']}, expected F32" + (" (or pass cast=True to upcast explicitly)"
+    problems += [f"{k}: dtype {t['dtype']}, expected F32" + (" (or pass cast=True to convert explicitly)"
                                                              if t["dtype"] in floats else "")
                  for k, t in h.tensors.items() if t["dtype"] != "F32" and not (cast and t["dtype"] in floats)]
     if problems:
         fix = ("build the model from the file's config: GPTConfig(**read_header(path).config)" if h.config and
                h.config != dataclasses.asdict(cfg) else "write the file again from a checkpoint of this model "
                "(from_dcp / from_orbax), mapping other names with names= / transform=")
-        raise SafetensorsError(f"{name} does not fit {cfg}: {_listed(problems, 6, '; ')}. Fix: {fix}")
+        raise SafetensorsError(f"{name} does not fit {cfg}: {_listed(problems, 6, '; ', quote=False)}. Fix: {fix}")
     if check_crc and h.crc32:
         with open(path, "rb") as f:
             for k, t in h.tensors.items():
@@ -147,9 +147,9 @@ def verify(path, cfg: GPTConfig, *, cast: bool = False, check_crc: bool = True) 
     return h
 
 
-def _listed(items, k, sep=", "):
-    """The first ``k`` items (names quoted), then how many more: error messages stay one readable line."""
-    shown = [i if sep == "; " else repr(i) for i in items[:k]]
+def _listed(items, k, sep=", ", quote=True):
+    """The first ``k`` items (quoted: they are names), then how many more: an error stays one readable line."""
+    shown = [repr(i) if quote else i for i in items[:k]]
     return sep.join(shown) + (f" and {len(items) - k} more" if len(items) > k else "")
 
 
@@ -251,9 +251,13 @@ def _cast(weights: dict, h: Header, cast: bool) -> dict:
 
 
 def load_weights(path, cfg: GPTConfig, *, cast: bool = False) -> dict:
-    """Canonical float32 NumPy weights (``safetensors.numpy.load_file``), after :func:`verify`."""
-    from safetensors.numpy import load_file
+    """Canonical float32 NumPy weights (``safetensors.numpy.load_file``), after :func:`verify`. NumPy has no
+    bfloat16, so a bf16 file (``cast=True``) is read with ``safetensors.flax`` and upcast on the host."""
     h = verify(path, cfg, cast=cast)
+    if any(t["dtype"] == "BF16" for t in h.tensors.values()):
+        from safetensors.flax import load_file
+        return {k: np.asarray(v).astype(np.float32) for k, v in load_file(os.fspath(path)).items()}
+    from safetensors.numpy import load_file
     return _cast(load_file(os.fspath(path)), h, cast)
 
 
