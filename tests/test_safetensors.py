@@ -163,6 +163,10 @@ def test_mismatched_files_are_refused_with_shapes_and_the_fix(trained, st_file, 
                        r"another GPTConfig \(d_ff: file 199, model 200\); .*blocks.0.mlp.fc.weight: shape \[199, 66\] in "
                        r"the file, \[200, 66\] for this GPTConfig.*Fix: build the model from the file's config"):
         cs.load_torch(st_file, other)
+    heads = models.GPTConfig(seq_len=31, d_ff=199, n_heads=6)         # every shape the same: only the metadata knows
+    with pytest.raises(cs.SafetensorsError, match=r"written for another GPTConfig \(n_heads: file 3, model 6\)\. Fix"):
+        cs.load_flax(st_file, heads)
+    cs.verify(st_file, models.GPTConfig(seq_len=31, d_ff=199, dropout=0.1))  # dropout is training-only: accepted
     w = models.to_numpy_weights(model)
     from safetensors.numpy import save_file
     plain = tmp_path / "plain.safetensors"                             # no metadata: a file from elsewhere

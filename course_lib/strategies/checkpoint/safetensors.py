@@ -113,13 +113,14 @@ def read_header(path) -> Header:
 def verify(path, cfg: GPTConfig, *, cast: bool = False, check_crc: bool = True) -> Header:
     """Refuse (``SafetensorsError``) a file that does not hold exactly ``cfg``'s tensors: every missing or extra
     name, every shape against the one ``cfg`` expects, a dtype other than float32 (``cast=True`` accepts any
-    float dtype, converted on load: exact from bf16 / f16, rounded from f64), metadata of another config, a CRC that does not match."""
+    float dtype, converted on load: exact from bf16 / f16, rounded from f64), metadata of another config (every field but dropout), a CRC that does not match."""
     h = read_header(path)
     name, problems = Path(path).name, []
-    if h.config is not None and h.config != dataclasses.asdict(cfg):
-        diff = [f"{k}: file {h.config.get(k)}, model {v}" for k, v in dataclasses.asdict(cfg).items()
-                if h.config.get(k) != v]
-        problems.append(f"written for another GPTConfig ({', '.join(diff)})")
+    # n_heads changes no shape, only how the same weights are used: the metadata is the one place to catch it.
+    # dropout is training-only: a model loaded for inference may set its own.
+    diff = [f"{k}: file {h.config.get(k)}, model {v}" for k, v in dataclasses.asdict(cfg).items()
+            if k != "dropout" and h.config is not None and h.config.get(k) != v]
+    problems += [f"written for another GPTConfig ({', '.join(diff)})"] if diff else []
     want = weight_shapes(cfg)
     missing = [k for k in want if k not in h.tensors]
     extra = [k for k in h.tensors if k not in want]
@@ -132,8 +133,8 @@ def verify(path, cfg: GPTConfig, *, cast: bool = False, check_crc: bool = True) 
                                                              if t["dtype"] in floats else "")
                  for k, t in h.tensors.items() if t["dtype"] != "F32" and not (cast and t["dtype"] in floats)]
     if problems:
-        fix = ("build the model from the file's config: GPTConfig(**read_header(path).config)" if h.config and
-               h.config != dataclasses.asdict(cfg) else "write the file again from a checkpoint of this model "
+        fix = ("build the model from the file's config: GPTConfig(**read_header(path).config)" if diff
+               else "write the file again from a checkpoint of this model "
                "(from_dcp / from_orbax), mapping other names with names= / transform=")
         raise SafetensorsError(f"{name} does not fit {cfg}: {_listed(problems, 6, '; ', quote=False)}. Fix: {fix}")
     if check_crc and h.crc32:
