@@ -18,7 +18,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
                dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
-               checkpoint/ {torch (DCP), jax (Orbax), manager (write then commit), resumable}
+               checkpoint/ {torch (DCP), jax (Orbax), manager, resumable, safetensors, names}: write then
+               commit; one safetensors file for torch and Flax under the canonical names (names: the adapters)
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
                declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,

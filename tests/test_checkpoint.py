@@ -81,6 +81,17 @@ def test_consolidate_and_back(saved4, tmp_path):
     assert _same(course_lib.run(_load, str(tmp_path / "back"), world_size=2)[0], full) == []
 
 
+def test_consolidate_4_ranks_to_safetensors_bit_exact(saved4, tmp_path):
+    """The FSDP2 checkpoint of 4 ranks (every shard padded, the last one shorter) -> one model.safetensors:
+    the weights only, under the model's own names, bit for bit; the plain TorchGPT loaded from it too."""
+    from course_lib.strategies.checkpoint import safetensors as cs
+    path, full = saved4
+    h = cs.from_dcp(path, tmp_path / "model.safetensors", cfg)
+    assert h.source["prefix"] == "model." and h.tensors["blocks.0.mlp.fc.weight"]["shape"] == [199, 66]
+    model = cs.load_torch(tmp_path / "model.safetensors", cfg)
+    assert [k for k, p in model.named_parameters() if not torch.equal(p, full[f"model.{k}"])] == []
+
+
 # -- exact resume, with a real crash ------------------------------------------------------------------
 def _train(root, steps, save_at=None, die_at=None, resume=False, omit=None):
     import torch.distributed as dist

@@ -1,5 +1,5 @@
-"""course_lib.strategies.checkpoint.jax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 with target
-shardings, and resume parity of a jit-compiled FSDP step. Runs in the pytest process (conftest sets up
+"""course_lib.strategies.checkpoint.jax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 and FSDP × TP (4, 2)
+-> 2 -> 1 with target shardings, and resume parity of a jit-compiled FSDP step. Runs in the pytest process (conftest sets up
 8 simulated CPU devices before JAX starts)."""
 from __future__ import annotations
 
@@ -71,6 +71,45 @@ def test_restore_8_to_4_to_1_bit_exact_and_resume_parity(jx, tmp_path):
     rest = [float(step(model2, opt2, *batch(s))) for s in range(meta["data_step"], 4)]
     assert first + rest == straight
     assert cj.same_arrays(cj.train_state(model2, opt2), final) == []
+    mngr.close()
+
+
+def test_fsdp_x_tp_8_devices_to_fsdp_2_to_1_bit_exact(jx, tmp_path):
+    """Issue 21 item 6, the JAX half: a model + AdamW state laid out FSDP over 8 devices is restored onto an
+    FSDP × TP (4, 2) mesh, saved from that 2-D layout, and restored onto 2-device FSDP and onto 1 device:
+    parameters and Adam's m, v bit for bit. Every array holds its own random values (a slice put in the wrong
+    place cannot hide behind a zero or a one). A TP-friendly config (d_model 64, d_ff 200): most kernels are cut
+    over both axes, pos_emb (31 rows) falls back to columns, the small vectors are replicated."""
+    jax = jx["jax"]
+    import optax
+    from flax import nnx
+    from course_lib import models
+    from course_lib.strategies.fsdp import jax as fsdp_jax
+    from course_lib.strategies.tp import jax as tp_jax
+    tcfg = models.GPTConfig(vocab_size=68, seq_len=31, d_model=64, n_heads=4, n_layers=2, d_ff=200)
+    model = models.flax_gpt(tcfg, 0)
+    abstract = nnx.eval_shape(lambda: cj.train_state(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))
+    rng = np.random.default_rng(0)
+    want = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype) if x.dtype == np.float32
+                        else np.full(x.shape, 7, x.dtype), abstract)           # count = 7 steps
+    mesh8 = jx["mesh8"]
+    mngr = cj.manager(tmp_path / "fsdp8")
+    cj.save(mngr, 1, jax.device_put(want, fsdp_jax.shardings(mesh8, fsdp_jax.state_specs(want, 8))))
+    mngr.wait_until_finished()
+    tp = tp_jax.tp_mesh(4, 2, jax.devices()[:8])
+    state, _ = cj.restore(mngr, 1, cj.restore_target(want, tp, tp_jax.fsdp_tp_rule(4, 2)))
+    mngr.close()
+    specs = {fsdp_jax.path_name(p): tuple(x.sharding.spec) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert specs["model.blocks.0.attn.qkv.kernel"] == ("fsdp", "tensor") == specs["opt.opt_state.0.mu.head.kernel"]
+    assert specs["model.pos_emb.embedding"] == (None, "fsdp") and specs["model.ln_f.scale"] == ()
+    assert cj.same_arrays(state, want) == []
+    mngr = cj.manager(tmp_path / "fsdp_tp")
+    cj.save(mngr, 1, state)                                            # saved from the 2-D layout
+    mngr.wait_until_finished()
+    for n in (2, 1):
+        back, _ = cj.restore(mngr, 1, cj.restore_target(want, jx["mesh_of"](n)))
+        assert {x.sharding.mesh.size for x in jax.tree.leaves(back)} == {n}
+        assert cj.same_arrays(back, want) == []
     mngr.close()
 
 

@@ -20,8 +20,9 @@ first, then FSDP, the same way).
 
 The course GPT fuses q, k and v into one ``attn.qkv`` Linear; a column-wise cut of that would hand rank 0
 all of q and half of k. :func:`split_attention_` gives each block separate ``q``, ``k``, ``v`` Linears with
-the same weights (:class:`TPAttention`), and :func:`fuse_qkv` / :func:`split_qkv` convert weights between
-the two namings -- the name adapter a checkpoint needs to cross between layouts. Heads and ``d_ff`` must
+the same weights (:class:`TPAttention`), and ``fuse_qkv`` / ``split_qkv``
+(:mod:`course_lib.strategies.checkpoint.names`, re-exported here) convert weights between the two namings --
+the name adapter a checkpoint needs to cross between layouts. Heads and ``d_ff`` must
 divide by T (:func:`check_tp`): DTensor's ``from_local`` assumes even pieces.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from course_lib.strategies.checkpoint.names import fuse_qkv, split_qkv  # noqa: F401 (re-exported: the TP names)
 
 __all__ = ["TP_DIMS", "TPAttention", "split_attention_", "fuse_qkv", "split_qkv", "check_tp", "gpt_plan",
            "mesh_2d", "apply_tp", "apply_fsdp", "local_unit_shapes", "formula_by_axis", "ledger_by_axis",
@@ -70,38 +73,6 @@ def split_attention_(model: nn.Module) -> nn.Module:
             new.proj.load_state_dict(old.proj.state_dict())
         block.attn = new
     return model
-
-
-def _cat(parts):
-    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
-
-
-def fuse_qkv(weights: dict) -> dict:
-    """Weights named as a split model (``…attn.q.weight`` …) -> the course GPT's names (``…attn.qkv.weight``),
-    q, k, v stacked along dim 0. Other names pass unchanged; order is kept."""
-    out = {}
-    for name, w in weights.items():
-        head, _, leaf = name.rpartition(".")
-        prefix, _, mod = head.rpartition(".")
-        if mod in _QKV and prefix.endswith("attn"):
-            if mod == "q":
-                out[f"{prefix}.qkv.{leaf}"] = _cat([weights[f"{prefix}.{m}.{leaf}"] for m in _QKV])
-        else:
-            out[name] = w
-    return out
-
-
-def split_qkv(weights: dict) -> dict:
-    """The inverse of :func:`fuse_qkv`."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
-            prefix, leaf = name.rsplit(".qkv.", 1)
-            for m, part in zip(_QKV, (w.chunk(3) if isinstance(w, torch.Tensor) else np.split(w, 3))):
-                out[f"{prefix}.{m}.{leaf}"] = part
-        else:
-            out[name] = w
-    return out
 
 
 def check_tp(cfg, tp: int) -> None:
