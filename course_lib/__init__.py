@@ -19,7 +19,9 @@ cycles and no private names borrowed across modules). Lowest first::
    4 launch/      pool (run a notebook function on N ranks), rank (the rank side), results
    3 maths/       strategy (which strategy shards what: the one table), sharding (padding), costs
                   (bytes per collective and step, α-β), memory (bytes per rank), ownership, traffic,
-                  step_model (step time from α, β and FLOP/s), planner (real models on real clusters)
+                  step_model (step time from α, β and FLOP/s), planner (real models on real clusters),
+                  planner_hw (GPU and link rates, cited), planner_work (FLOPs and bytes per token and op),
+                  planner_runs (published runs: calibration and validation sets)
    2 comm/        ledger (record types), shim (flat all-gather / reduce-scatter), torch_ledger
                   (c10d-level capture), jax_ledger (collectives from compiled HLO)
    1 runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine)

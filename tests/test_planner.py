@@ -32,21 +32,26 @@ def test_activation_bytes_per_token_and_layer():
 def test_fsdp_memory_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192)
     assert p.state == 16 * PSI_8B / 8 == 16_060_522_496           # 16Ψ/N
-    # 32 layers x 139,264 B x 8192 tokens + logits 6 x 128,256 x 8192
-    assert p.activations == 32 * 139_264 * 8192 + 6 * 128_256 * 8192 == 42_811_260_928
+    # 32 layers x 139,264 B x 8192 tokens + the loss 14 x 128,256 x 8192 (bf16 logits 2, fp32 log-probs 4 and
+    # two fp32 gradients 8) + 1 GiB of reserve
+    assert p.activations == 32 * 139_264 * 8192 + 14 * 128_256 * 8192 + GiB == 52_290_387_968
     # two biggest units (head+norm 525,340,672; embedding 525,336,576) in bf16 + the biggest's fp32 gradient
     assert p.buffers == 2 * (525_340_672 + 525_336_576) + 4 * 525_340_672 == 4_202_717_184
-    assert p.total == 16_060_522_496 + 42_811_260_928 + 4_202_717_184
-    assert p.fits                                                  # 63.1 GB of 80 GiB
+    assert p.total == 16_060_522_496 + 52_290_387_968 + 4_202_717_184
+    assert p.fits                                                  # 67.6 GiB of 80 GiB
     assert not plan(LLAMA3_8B, NODE, "fsdp", 2, seq_len=8192).fits  # torchtitan's batch 2 needs checkpointing
 
 
 def test_full_checkpointing_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192, checkpointing="full")
-    # each layer keeps its input (2·4096 B/token), one layer is rebuilt at a time, logits as before
-    assert p.activations == 32 * 2 * 4096 * 8192 + 139_264 * 8192 + 6 * 128_256 * 8192 == 9_592_373_248
+    # each layer keeps its input (2·4096 B/token), one layer is rebuilt at a time, the loss as before
+    assert p.activations == 32 * 2 * 4096 * 8192 + 139_264 * 8192 + 14 * 128_256 * 8192 + GiB == 19_071_500_288
     assert p.fits
-    assert p.hfu == pytest.approx(p.mfu * 4 / 3)                   # the recomputed forward: 8N instead of 6N
+    # the recomputed forward: every block's matmuls once more (2 x their parameters) and attention's 2·s·d·L;
+    # the head is not recomputed
+    blocks = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert p.hardware_flops_per_token == p.model_flops_per_token + 2 * blocks + 6 * 32 * 4096 * 8192
+    assert p.hfu / p.mfu == pytest.approx(p.hardware_flops_per_token / p.model_flops_per_token)
 
 
 @pytest.mark.parametrize("strategy, per_psi", [("dp", 16), ("zero1", 4 + 12 / 8), ("zero2", 2 + 14 / 8),
@@ -66,10 +71,13 @@ def test_hsdp_shards_over_one_node_only():
 
 def test_communication_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192)
-    ag = 7 / 8 * PSI_8B * 2                                        # bf16 all-gather, twice (forward, backward)
-    rs = 7 / 8 * PSI_8B * 4                                        # fp32 reduce-scatter
     alpha = 3 * 34 * 7 * NVLINK_H100.hop_latency_s                 # 34 units, 3 ops each, 7 ring steps
-    assert p.comm_s == pytest.approx((2 * ag + rs) / 450e9 + alpha)
+    # each op at the bus bandwidth its message reaches: 0.80 x 450 GB/s x m / (m + 4 MiB), m = one unit's payload
+    units = [sum(math.prod(s) for s in u) for u in LLAMA3_8B.units()]
+    busbw = lambda m: 450e9 * 0.80 * m / (m + 4 * 2**20)  # noqa: E731
+    want = sum(7 / 8 * (2 * u * 2 + u * 4) / busbw(u * 2) for u in units)   # bf16 gathers x2: busbw at 2u bytes
+    assert p.comm_s == pytest.approx(alpha + want, rel=0.02)       # the reduce-scatter's fp32 message is 4u: ~1%
+    assert p.comm_s > (3 * 7 / 8 * PSI_8B * 2 + 0) / 450e9         # slower than the datasheet ring
     assert p.compute_bound and p.exposed_comm_s < p.comm_s
 
 
