@@ -123,3 +123,82 @@ def test_frozen():
         LLAMA3_8B.d_model = 1
     assert math.isclose(plan(LLAMA3_8B, NODE, "fsdp", 2).tokens_per_s_per_gpu * plan(LLAMA3_8B, NODE, "fsdp", 2).step_s,
                         2 * 8192)
+
+
+# -- the per-operation model and its knobs ------------------------------------------------------------------
+TT = Cluster(planner.H100_TT500W, 8, 1)
+
+
+def test_breakdown_adds_up_to_the_step():
+    p = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective")
+    assert tuple(p.parts) == planner.BREAKDOWN
+    assert sum(p.parts.values()) == pytest.approx(p.step_s)
+    assert p.parts["recompute"] > 0 and p.parts["attention"] > 0 and p.parts["memory-bound"] > 0
+
+
+def test_checkpointing_trades_memory_for_time():
+    none, sel, full = (plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing=ac)
+                       for ac in ("none", "selective", "full"))
+    assert none.activations > sel.activations > full.activations
+    assert none.step_s < sel.step_s < full.step_s
+    assert none.hfu == pytest.approx(none.mfu) and full.hfu > sel.hfu > sel.mfu
+
+
+def test_selective_recomputes_every_second_matmul_of_a_block():
+    from course_lib.maths import planner_work as work
+    d, kv, f = 4096, 1024, 14336     # Llama q, k, v, o, w1, w3, w2: k, o and w3 are recomputed
+    assert work.recomputed_matmul_fraction(LLAMA3_8B, "selective") == pytest.approx(
+        (d * kv + d * d + d * f) / (2 * d * d + 2 * d * kv + 3 * d * f))
+
+
+def test_compile_and_float8_speed_up_only_what_they_touch():
+    eager = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective")
+    comp = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective", compile=True)
+    fp8 = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective", compile=True, float8=True)
+    assert comp.parts["memory-bound"] < eager.parts["memory-bound"]
+    assert comp.parts["matmul"] == pytest.approx(eager.parts["matmul"])
+    assert fp8.parts["matmul"] < comp.parts["matmul"] and fp8.parts["attention"] == pytest.approx(comp.parts["attention"])
+    assert fp8.parts["memory-bound"] > comp.parts["memory-bound"]          # the scaling casts cost bytes
+
+
+def test_small_messages_are_latency_bound():
+    link = planner.NVLINK_H100
+    assert link.bus_fraction_at(64 * 2**20) > 0.9 * link.bus_fraction
+    assert link.bus_fraction_at(64 * 2**10) < 0.02 * link.bus_fraction
+
+
+def test_tensor_parallel_runs_per_layer_collectives_on_nvlink():
+    big = Cluster(H100, 8, 4)
+    fsdp = plan(LLAMA3_70B, big, "fsdp", 1, seq_len=4096, checkpointing="full")
+    tp = plan(LLAMA3_70B, big, "fsdp", 4, seq_len=4096, checkpointing="full", tp=4)
+    assert "tensor parallel (every layer)" in tp.comm_by_op and tp.tp == 4
+    assert tp.state == pytest.approx(fsdp.state, rel=1e-6)                 # 16Ψ over all 32 GPUs either way
+    assert tp.tokens_per_step == fsdp.tokens_per_step                      # 4 sequences over a TP group of 4
+
+
+def test_fsdp_stops_scaling_when_the_batch_per_gpu_is_small():
+    slow = Cluster(H100, 8, 16, inter=planner.ETH_100G)
+    small, big = plan(LLAMA3_8B, slow, "fsdp", 1, seq_len=2048), plan(LLAMA3_8B, slow, "fsdp", 16, seq_len=2048)
+    assert small.parts["exposed comm"] > 0.5 * small.step_s
+    assert big.mfu > 1.5 * small.mfu
+
+
+def test_gradient_accumulation_multiplies_the_micro_batch():
+    one = plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing="full")
+    four = plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing="full", grad_accum=4)
+    assert four.tokens_per_step == 4 * one.tokens_per_step and four.total == one.total
+    assert four.step_s == pytest.approx(4 * one.step_s, rel=0.02)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(float8=True, cluster=Cluster(A100_40GB, 8, 1)), r"float8=True needs fp8 tensor cores; A100-SXM4-40GB"),
+    (dict(tp=3), r"tp\(3\) must divide gpus_per_node\(8\).*n_kv_heads\(8\)"),
+    (dict(tp=2, strategy="dp"), r"tp=2 with strategy='dp'.*'fsdp' or 'hsdp'"),
+    (dict(compute_efficiency=0.8, compile=True), r"compute_efficiency=0.8 is the one-number model.*compile=True"),
+    (dict(grad_accum=0), r"grad_accum=0 must be an int >= 1"),
+    (dict(attention="xformers"), r"attention='xformers' must be one of \['flash2', 'triton'\]"),
+])
+def test_bad_combinations_name_the_values(kwargs, says):
+    cluster, strategy = kwargs.pop("cluster", TT), kwargs.pop("strategy", "fsdp")
+    with pytest.raises(ValueError, match=says):
+        plan(LLAMA3_8B, cluster, strategy, 1, **kwargs)
