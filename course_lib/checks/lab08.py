@@ -14,8 +14,7 @@ from course_lib.maths.costs import AlphaBeta
 
 __all__ = ["HINTS", "hint", "REFERENCE_CAL", "reference_step_seconds", "check_step_seconds",
            "reference_compute_bound_batch", "check_compute_bound_batch", "EX3_CLUSTER", "EX3_BUDGET",
-           "EX3_SEQ", "reference_plan_70b", "check_plan_70b", "EX4_CASES", "reference_full_ac_cost",
-           "check_full_ac_cost"]
+           "EX3_SEQ", "reference_plan_70b", "check_plan_70b"]
 
 HINTS = {
     "step_seconds": [
@@ -243,6 +242,7 @@ def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=E
 
 
 # -- exercise 4: price a change (selective -> full activation checkpointing) -----------------------------
+__all__ += ["EX4_CASES", "reference_full_ac_cost", "check_full_ac_cost"]
 HINTS["full_ac_cost"] = [
     "Price both configurations with the planner and compare what a user gets out of them: tokens per second.",
     "Plan the same model, cluster, batch and sequence length twice with FSDP, once with selective and once with "
