@@ -10,7 +10,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
-               time from α, β and FLOP/s), planner (real models on real clusters)       <- runtime, comm
+               time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
+               link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
+               runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), rank (the rank side), results
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths

@@ -176,3 +176,64 @@ def test_hints_are_layered():
     with pytest.raises(KeyError, match="exercises"):
         lab08.hint("nope")
     assert not math.isnan(lab08.reference_plan_70b()["memory_bytes"])
+
+
+# -- exercise 4: full_ac_cost ---------------------------------------------------------------------------------
+def _tps(model, cluster, batch, seq_len, ac):
+    return planner.plan(model, cluster, "fsdp", batch, seq_len=seq_len, checkpointing=ac).tokens_per_s_per_gpu
+
+
+def right_cost(model, cluster, batch, seq_len):
+    return 1 - _tps(model, cluster, batch, seq_len, "full") / _tps(model, cluster, batch, seq_len, "selective")
+
+
+def kept(*args):
+    return 1 - right_cost(*args)
+
+
+def percent(*args):
+    return 100 * right_cost(*args)
+
+
+def flipped(*args):
+    return -right_cost(*args)
+
+
+def from_none(model, cluster, batch, seq_len):
+    return 1 - _tps(model, cluster, batch, seq_len, "full") / _tps(model, cluster, batch, seq_len, "none")
+
+
+def by_hfu(model, cluster, batch, seq_len):
+    hfu = lambda ac: planner.plan(model, cluster, "fsdp", batch, seq_len=seq_len, checkpointing=ac).hfu  # noqa: E731
+    return 1 - hfu("full") / hfu("selective")
+
+
+def by_step(model, cluster, batch, seq_len):
+    step = lambda ac: planner.plan(model, cluster, "fsdp", batch, seq_len=seq_len, checkpointing=ac).step_s  # noqa: E731
+    return step("full") / step("selective") - 1
+
+
+def test_full_ac_cost_right_and_stub(capsys):
+    assert lab08.check_full_ac_cost(right_cost) is True
+    assert lab08.check_full_ac_cost(lab08.reference_full_ac_cost) is True
+    assert "✅ full_ac_cost: Llama-3-8B 8 GPUs: -" in capsys.readouterr().out
+    stub = lambda *a: (_ for _ in ()).throw(NotImplementedError("Exercise not done yet: price both plans"))  # noqa: E731
+    assert lab08.check_full_ac_cost(stub) is False
+    assert "⏳ full_ac_cost: not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (kept, "fraction of throughput KEPT"), (percent, "that is a percentage"), (flipped, "the sign is flipped"),
+    (from_none, "compared with no checkpointing"), (by_hfu, "you compared HFU"), (by_step, "compared step times"),
+    (lambda *a: "12%", "return a float"), (lambda *a: 0.5, "compare plan(..., checkpointing='full')"),
+])
+def test_full_ac_cost_wrong_answers_are_named(wrong, says):
+    with pytest.raises(CheckFailed) as err:
+        lab08.check_full_ac_cost(wrong)
+    assert says in str(err.value) and str(err.value).startswith("❌ full_ac_cost:")
+
+
+def test_full_ac_cost_hints_have_no_code():
+    hints = lab08.HINTS["full_ac_cost"]
+    assert len(hints) == 3 and lab08.hint("full_ac_cost", 1).startswith("Price both")
+    assert not any(token in h for h in hints for token in ("plan(", "=", "tokens_per_s_per_gpu", "lambda"))

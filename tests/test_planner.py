@@ -32,21 +32,26 @@ def test_activation_bytes_per_token_and_layer():
 def test_fsdp_memory_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192)
     assert p.state == 16 * PSI_8B / 8 == 16_060_522_496           # 16Ψ/N
-    # 32 layers x 139,264 B x 8192 tokens + logits 6 x 128,256 x 8192
-    assert p.activations == 32 * 139_264 * 8192 + 6 * 128_256 * 8192 == 42_811_260_928
+    # 32 layers x 139,264 B x 8192 tokens + the loss 14 x 128,256 x 8192 (bf16 logits 2, fp32 log-probs 4 and
+    # two fp32 gradients 8) + 1 GiB of reserve
+    assert p.activations == 32 * 139_264 * 8192 + 14 * 128_256 * 8192 + GiB == 52_290_387_968
     # two biggest units (head+norm 525,340,672; embedding 525,336,576) in bf16 + the biggest's fp32 gradient
     assert p.buffers == 2 * (525_340_672 + 525_336_576) + 4 * 525_340_672 == 4_202_717_184
-    assert p.total == 16_060_522_496 + 42_811_260_928 + 4_202_717_184
-    assert p.fits                                                  # 63.1 GB of 80 GiB
+    assert p.total == 16_060_522_496 + 52_290_387_968 + 4_202_717_184
+    assert p.fits                                                  # 67.6 GiB of 80 GiB
     assert not plan(LLAMA3_8B, NODE, "fsdp", 2, seq_len=8192).fits  # torchtitan's batch 2 needs checkpointing
 
 
 def test_full_checkpointing_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192, checkpointing="full")
-    # each layer keeps its input (2·4096 B/token), one layer is rebuilt at a time, logits as before
-    assert p.activations == 32 * 2 * 4096 * 8192 + 139_264 * 8192 + 6 * 128_256 * 8192 == 9_592_373_248
+    # each layer keeps its input (2·4096 B/token), one layer is rebuilt at a time, the loss as before
+    assert p.activations == 32 * 2 * 4096 * 8192 + 139_264 * 8192 + 14 * 128_256 * 8192 + GiB == 19_071_500_288
     assert p.fits
-    assert p.hfu == pytest.approx(p.mfu * 4 / 3)                   # the recomputed forward: 8N instead of 6N
+    # the recomputed forward: every block's matmuls once more (2 x their parameters) and attention's 2·s·d·L;
+    # the head is not recomputed
+    blocks = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert p.hardware_flops_per_token == p.model_flops_per_token + 2 * blocks + 6 * 32 * 4096 * 8192
+    assert p.hfu / p.mfu == pytest.approx(p.hardware_flops_per_token / p.model_flops_per_token)
 
 
 @pytest.mark.parametrize("strategy, per_psi", [("dp", 16), ("zero1", 4 + 12 / 8), ("zero2", 2 + 14 / 8),
@@ -66,10 +71,13 @@ def test_hsdp_shards_over_one_node_only():
 
 def test_communication_by_hand():
     p = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192)
-    ag = 7 / 8 * PSI_8B * 2                                        # bf16 all-gather, twice (forward, backward)
-    rs = 7 / 8 * PSI_8B * 4                                        # fp32 reduce-scatter
     alpha = 3 * 34 * 7 * NVLINK_H100.hop_latency_s                 # 34 units, 3 ops each, 7 ring steps
-    assert p.comm_s == pytest.approx((2 * ag + rs) / 450e9 + alpha)
+    # each op at the bus bandwidth its message reaches: 0.80 x 450 GB/s x m / (m + 4 MiB), m = one unit's payload
+    units = [sum(math.prod(s) for s in u) for u in LLAMA3_8B.units()]
+    busbw = lambda m: 450e9 * 0.80 * m / (m + 4 * 2**20)  # noqa: E731
+    want = sum(7 / 8 * (2 * u * 2 + u * 4) / busbw(u * 2) for u in units)   # bf16 gathers x2: busbw at 2u bytes
+    assert p.comm_s == pytest.approx(alpha + want, rel=0.02)       # the reduce-scatter's fp32 message is 4u: ~1%
+    assert p.comm_s > (3 * 7 / 8 * PSI_8B * 2 + 0) / 450e9         # slower than the datasheet ring
     assert p.compute_bound and p.exposed_comm_s < p.comm_s
 
 
@@ -115,3 +123,82 @@ def test_frozen():
         LLAMA3_8B.d_model = 1
     assert math.isclose(plan(LLAMA3_8B, NODE, "fsdp", 2).tokens_per_s_per_gpu * plan(LLAMA3_8B, NODE, "fsdp", 2).step_s,
                         2 * 8192)
+
+
+# -- the per-operation model and its knobs ------------------------------------------------------------------
+TT = Cluster(planner.H100_TT500W, 8, 1)
+
+
+def test_breakdown_adds_up_to_the_step():
+    p = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective")
+    assert tuple(p.parts) == planner.BREAKDOWN
+    assert sum(p.parts.values()) == pytest.approx(p.step_s)
+    assert p.parts["recompute"] > 0 and p.parts["attention"] > 0 and p.parts["memory-bound"] > 0
+
+
+def test_checkpointing_trades_memory_for_time():
+    none, sel, full = (plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing=ac)
+                       for ac in ("none", "selective", "full"))
+    assert none.activations > sel.activations > full.activations
+    assert none.step_s < sel.step_s < full.step_s
+    assert none.hfu == pytest.approx(none.mfu) and full.hfu > sel.hfu > sel.mfu
+
+
+def test_selective_recomputes_every_second_matmul_of_a_block():
+    from course_lib.maths import planner_work as work
+    d, kv, f = 4096, 1024, 14336     # Llama q, k, v, o, w1, w3, w2: k, o and w3 are recomputed
+    assert work.recomputed_matmul_fraction(LLAMA3_8B, "selective") == pytest.approx(
+        (d * kv + d * d + d * f) / (2 * d * d + 2 * d * kv + 3 * d * f))
+
+
+def test_compile_and_float8_speed_up_only_what_they_touch():
+    eager = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective")
+    comp = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective", compile=True)
+    fp8 = plan(LLAMA3_8B, TT, "fsdp", 2, seq_len=8192, checkpointing="selective", compile=True, float8=True)
+    assert comp.parts["memory-bound"] < eager.parts["memory-bound"]
+    assert comp.parts["matmul"] == pytest.approx(eager.parts["matmul"])
+    assert fp8.parts["matmul"] < comp.parts["matmul"] and fp8.parts["attention"] == pytest.approx(comp.parts["attention"])
+    assert fp8.parts["memory-bound"] > comp.parts["memory-bound"]          # the scaling casts cost bytes
+
+
+def test_small_messages_are_latency_bound():
+    link = planner.NVLINK_H100
+    assert link.bus_fraction_at(64 * 2**20) > 0.9 * link.bus_fraction
+    assert link.bus_fraction_at(64 * 2**10) < 0.02 * link.bus_fraction
+
+
+def test_tensor_parallel_runs_per_layer_collectives_on_nvlink():
+    big = Cluster(H100, 8, 4)
+    fsdp = plan(LLAMA3_70B, big, "fsdp", 1, seq_len=4096, checkpointing="full")
+    tp = plan(LLAMA3_70B, big, "fsdp", 4, seq_len=4096, checkpointing="full", tp=4)
+    assert "tensor parallel (every layer)" in tp.comm_by_op and tp.tp == 4
+    assert tp.state == pytest.approx(fsdp.state, rel=1e-6)                 # 16Ψ over all 32 GPUs either way
+    assert tp.tokens_per_step == fsdp.tokens_per_step                      # 4 sequences over a TP group of 4
+
+
+def test_fsdp_stops_scaling_when_the_batch_per_gpu_is_small():
+    slow = Cluster(H100, 8, 16, inter=planner.ETH_100G)
+    small, big = plan(LLAMA3_8B, slow, "fsdp", 1, seq_len=2048), plan(LLAMA3_8B, slow, "fsdp", 16, seq_len=2048)
+    assert small.parts["exposed comm"] > 0.5 * small.step_s
+    assert big.mfu > 1.5 * small.mfu
+
+
+def test_gradient_accumulation_multiplies_the_micro_batch():
+    one = plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing="full")
+    four = plan(LLAMA3_8B, TT, "fsdp", 1, seq_len=8192, checkpointing="full", grad_accum=4)
+    assert four.tokens_per_step == 4 * one.tokens_per_step and four.total == one.total
+    assert four.step_s == pytest.approx(4 * one.step_s, rel=0.02)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(float8=True, cluster=Cluster(A100_40GB, 8, 1)), r"float8=True needs fp8 tensor cores; A100-SXM4-40GB"),
+    (dict(tp=3), r"tp\(3\) must divide gpus_per_node\(8\).*n_kv_heads\(8\)"),
+    (dict(tp=2, strategy="dp"), r"tp=2 with strategy='dp'.*'fsdp' or 'hsdp'"),
+    (dict(compute_efficiency=0.8, compile=True), r"compute_efficiency=0.8 is the one-number model.*compile=True"),
+    (dict(grad_accum=0), r"grad_accum=0 must be an int >= 1"),
+    (dict(attention="xformers"), r"attention='xformers' must be one of \['flash2', 'triton'\]"),
+])
+def test_bad_combinations_name_the_values(kwargs, says):
+    cluster, strategy = kwargs.pop("cluster", TT), kwargs.pop("strategy", "fsdp")
+    with pytest.raises(ValueError, match=says):
+        plan(LLAMA3_8B, cluster, strategy, 1, **kwargs)

@@ -51,3 +51,29 @@ def test_config_names_what_it_accepts():
 def test_zero_stages_are_measured_for_the_frontier(strategy):
     median, spread = step_time.measure(step_time.Config(strategy, 2, 4, 32), steps=2)
     assert 0 < median < 10 and spread >= 1.0
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_configs_for_every_world_size(n):
+    configs = step_time.configs_for(n)
+    assert all(c.world_size == n and c.batch % n == 0 for c in configs)
+    kinds = [c.strategy for c in configs]
+    assert kinds.count("fsdp") == 3 and "dp" in kinds
+    assert ("hsdp" in kinds) == any(n % r == 0 for r in range(2, n))
+
+
+def test_configs_for_names_the_range():
+    with pytest.raises(ValueError, match=r"ranks=9 must be an int from 2 to 8"):
+        step_time.configs_for(9)
+
+
+@pytest.mark.parametrize("v, group, want", [(16 * 1024, 3, 16380), (16 * 1024, 4, 16384), (4096 * 1024, 7, 4194288)])
+def test_group_payload_splits_evenly(v, group, want):
+    got = step_time.group_payload(v, group)
+    assert got == want and got % (4 * group) == 0 and v - got < 4 * group
+
+
+def test_calibration_runs_on_three_ranks():
+    """The sweep used to gather 3 x 1365 float32 elements into 4096 and gloo refused (issue 22)."""
+    comm, spread = step_time.calibrate_comm(3, sizes=(16 * 1024, 128 * 1024), repeats=1)
+    assert set(comm.fits) == {("all_gather", 3), ("reduce_scatter", 3), ("all_reduce", 3)}

@@ -1,6 +1,9 @@
 """Calibrate the step-time model on this machine, predict DP / FSDP / HSDP steps, then measure them.
 
-    python -m course_lib bench step-time [--repeats 9] [--steps 15] [--rounds 3]
+    python -m course_lib bench step-time [--ranks N] [--repeats 9] [--steps 15] [--rounds 3]
+
+Without ``--ranks`` it runs the lab's :data:`CONFIGS` (2 and 4 ranks); ``--ranks N`` (2..8) runs
+:func:`configs_for` ``N`` instead: DP, FSDP at two widths and batches, and HSDP when ``N`` has a divisor.
 
 1. **Communication**: every op FSDP, HSDP and DDP issue, on the groups they issue it on, timed at 4 sizes
    (warm-up first, ``repeats`` windows, the slowest rank's time per window); ``α + β · wire`` fitted per op
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from course_lib.maths import step_model
 from course_lib.maths.costs import AlphaBeta
 
-__all__ = ["Config", "CONFIGS", "CALIBRATION_WIDTHS", "Calibration", "calibrate", "calibrate_comm",
+__all__ = ["Config", "CONFIGS", "configs_for", "group_payload", "CALIBRATION_WIDTHS", "Calibration", "calibrate", "calibrate_comm",
            "calibrate_compute", "measure", "predict_all", "run_all", "format_table", "lab_cfg", "main"]
 
 KiB = 1024
@@ -68,6 +71,27 @@ class Config:
 CONFIGS = (Config("dp", 4, 16, 128), Config("fsdp", 4, 16, 128), Config("hsdp", 4, 16, 128, replicate=2),
            Config("fsdp", 2, 8, 256), Config("fsdp", 4, 64, 64))
 CALIBRATION_WIDTHS = (48, 160, 320)   #: bracket every tested width: the line is fitted, not extrapolated
+
+
+
+
+def configs_for(n: int) -> tuple[Config, ...]:
+    """The lab's five kinds of configuration on ``n`` ranks (2..8): DP and FSDP at width 128 with 4 sequences
+    per rank, HSDP on an (R, n / R) mesh when ``n`` has a divisor 1 < R < n (R the smallest), FSDP at width 256
+    with 2 per rank, and FSDP at width 64 with 16 per rank."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 8:
+        raise ValueError(f"ranks={n!r} must be an int from 2 to 8 (this machine's gloo ranks); e.g. --ranks 3")
+    out = [Config("dp", n, 4 * n, 128), Config("fsdp", n, 4 * n, 128)]
+    r = next((k for k in range(2, n) if n % k == 0), None)
+    if r:
+        out.append(Config("hsdp", n, 4 * n, 128, replicate=r))
+    return tuple(out + [Config("fsdp", n, 2 * n, 256), Config("fsdp", n, 16 * n, 64)])
+
+
+def group_payload(v: int, group: int) -> int:
+    """``v`` bytes rounded down to a payload a group of ``group`` ranks can split evenly (float32 elements):
+    an all-gather of 16 KiB over 3 ranks would otherwise gather 3 x 1365 elements into 4096 (gloo refuses)."""
+    return (v // (4 * group)) * 4 * group
 
 
 # -- rank side -------------------------------------------------------------------------------------------
@@ -161,7 +185,8 @@ def comm_sweep_on_rank(plan, sizes, repeats: int, replicate: int = 1) -> dict:
     for op, kind in plan:
         pg, g = groups[kind] if groups[kind] else (None, n)
         for v in sizes:
-            full, shard = torch.zeros(v // 4), torch.zeros(v // 4 // g)
+            elems = group_payload(v, g) // 4          # a multiple of g: every shard the same size
+            full, shard = torch.zeros(elems), torch.zeros(elems // g)
             issue = {"all_gather": lambda: ALL_GATHER(full, shard, group=pg),
                      "reduce_scatter": lambda: REDUCE_SCATTER(shard, full, group=pg),
                      "all_reduce": lambda: dist.all_reduce(full, group=pg)}[op]
@@ -197,8 +222,9 @@ def calibrate_comm(world_size: int, replicate: int = 1, ops=COMM_OPS, sizes=COMM
             win = [max(raw[r][(op, kind, v)][k] for r in range(world_size)) for k in range(repeats)]
             per_size.append(statistics.median(win))
             worst = max(worst, max(win) / min(win))
-        sweep = wire.Sweep(g, tuple(sizes), {op: tuple(per_size)}, raw.backend)
-        fits[(op, g)] = wire.calibrate_alpha_beta(g, sizes, op, sweep=sweep).alpha_beta
+        real = tuple(group_payload(v, g) for v in sizes)     # the bytes actually moved, for the fit
+        sweep = wire.Sweep(g, real, {op: tuple(per_size)}, raw.backend)
+        fits[(op, g)] = wire.calibrate_alpha_beta(g, real, op, sweep=sweep).alpha_beta
         spread[(op, g)] = worst
     return step_model.CommModel(fits), spread
 
@@ -308,6 +334,9 @@ def format_table(out: dict) -> str:
     worst = max(ratios, key=lambda r: abs(r - 1))
     per_round = [max((out["predictions"][r][i].step_s / out["measured"][r][i][0] for i in range(len(ratios))),
                      key=lambda x: abs(x - 1)) for r in range(k)]
+    for r in range(k):                  # every single round, not only the medians: the goal holds per round
+        each = "  ".join(f"{out['predictions'][r][i].step_s / out['measured'][r][i][0]:.2f}" for i in range(len(ratios)))
+        lines.append(f"round {r + 1} ratios, in the order above: {each}")
     lines.append(f"worst ratio predicted/measured: {worst:.2f} ({'within' if 0.75 <= worst <= 1.25 else 'OUTSIDE'} "
                  f"the ±25% goal); worst of each round: {', '.join(f'{x:.2f}' for x in per_round)}")
     return "\n".join(lines)
@@ -315,11 +344,14 @@ def format_table(out: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m course_lib bench step-time", description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="run configs_for(RANKS) (2..8) instead of the lab's configurations on 2 and 4 ranks")
     ap.add_argument("--repeats", type=int, default=9, help="timed windows per collective size")
     ap.add_argument("--steps", type=int, default=15, help="timed training steps per configuration")
     ap.add_argument("--rounds", type=int, default=3, help="calibrate-predict-measure rounds; medians are printed")
     a = ap.parse_args(argv)
-    out = run_all(CONFIGS, a.repeats, a.steps, a.rounds, progress=lambda what: print(f"... {what}", flush=True))
+    configs = CONFIGS if a.ranks is None else configs_for(a.ranks)
+    out = run_all(configs, a.repeats, a.steps, a.rounds, progress=lambda what: print(f"... {what}", flush=True))
     print(format_table(out))
     return 0
 

@@ -1,8 +1,11 @@
-"""Lab 08's exercise checks (performance): a step time from the model, the compute-bound batch, a 70B plan.
+"""Lab 08's exercise checks (performance): a step time from the model, the compute-bound batch, a 70B plan,
+and the price of full activation checkpointing.
 
 Every check is pure arithmetic against :mod:`course_lib.maths.step_model` and :mod:`course_lib.maths.planner`
 on fixed inputs (no timing), so a right answer always passes and each likely mistake gets its own diagnosis.
 ``HINTS[name]`` holds three layers of hints per exercise: the idea, the method, then near-code.
+
+Longer than ~300 lines: four exercise checks, each with its fixed cases and the diagnoses of its likely mistakes.
 """
 from __future__ import annotations
 
@@ -243,4 +246,67 @@ def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=E
                                  f"buffers {g(p.buffers)}, activations {g(p.activations)})")
         c.ok(f"{a['strategy']}, batch {a['batch']} x {EX3_SEQ}, checkpointing {a['checkpointing']}: {g(p.total)} of "
              f"{g(budget)}; {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {p.mfu:.0%} (model)")
+    return bool(c.passed)
+
+
+# -- exercise 4: price a change (selective -> full activation checkpointing) -----------------------------
+__all__ += ["EX4_CASES", "reference_full_ac_cost", "check_full_ac_cost"]
+HINTS["full_ac_cost"] = [
+    "Price both configurations with the planner and compare what a user gets out of them: tokens per second.",
+    "Plan the same model, cluster, batch and sequence length twice with FSDP, once with selective and once "
+    "with full checkpointing, and read each plan's tokens per second per GPU.",
+    "The cost is one minus the ratio of the two throughputs, full over selective: a fraction between 0 and 1."]
+EX4_CASES = (
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100_TT500W, 8, 1), 2, 8192),
+    (planner.LLAMA3_8B, planner.Cluster(planner.A100_80GB, 8, 8, planner.NVLINK_A100, planner.IB_HDR), 1, 8192),
+    (planner.LLAMA3_70B, planner.Cluster(planner.H100, 8, 8), 1, 4096),
+)
+
+
+def _ex4_plans(model, cluster, batch, seq_len):
+    return {a: planner.plan(model, cluster, "fsdp", batch, seq_len=seq_len, checkpointing=a) for a in planner.CHECKPOINTING}
+
+
+def reference_full_ac_cost(model, cluster, batch, seq_len) -> float:
+    """Fraction of tokens/s lost going from selective to full checkpointing (FSDP, the planner's prices)."""
+    p = _ex4_plans(model, cluster, batch, seq_len)
+    return 1 - p["full"].tokens_per_s_per_gpu / p["selective"].tokens_per_s_per_gpu
+
+
+def _ex4_mistakes(model, cluster, batch, seq_len) -> dict:   # likely wrong answers, by diagnosis
+    p = _ex4_plans(model, cluster, batch, seq_len)
+    sel, full, none = (p[k].tokens_per_s_per_gpu for k in ("selective", "full", "none"))
+    return {"that is the fraction of throughput KEPT (full / selective); the question asks what is lost": full / sel,
+            "that is a percentage; return a fraction between 0 and 1": 100 * (1 - full / sel),
+            "the sign is flipped: full checkpointing recomputes more, so it is slower, not faster": full / sel - 1,
+            "you compared with no checkpointing at all; the change to price starts from selective": 1 - full / none,
+            "you compared HFU: it counts the recomputed work as useful, so full checkpointing looks *better*; price "
+            "what the user gets, tokens/s (or MFU)": 1 - p["full"].hfu / p["selective"].hfu,
+            "you compared step times: full / selective - 1 is the extra time per step, not the throughput lost "
+            "(1 - selective / full)": p["full"].step_s / p["selective"].step_s - 1}
+
+
+@exercise("08", "full_ac_cost", cell="def full_ac_cost(", hints=HINTS["full_ac_cost"],
+          mistakes={"the fraction kept": "the fraction of throughput KEPT", "a percentage": "that is a percentage",
+                    "sign flipped": "the sign is flipped", "compared with no checkpointing": "compared with no checkpointing",
+                    "compared HFU": "you compared HFU", "compared step times": "you compared step times"})
+def check_full_ac_cost(fn, name: str = "full_ac_cost") -> bool:
+    """``fn(model, cluster, batch, seq_len)``: the fraction of tokens/s lost going from selective to full activation
+    checkpointing under FSDP, as the planner prices both, on :data:`EX4_CASES` (model, cluster, batch, seq_len)."""
+    with checks.check(name, tests="three model x cluster cases: the fraction of tokens/s that full checkpointing "
+                                  "costs compared with selective, and each likely slip named") as c:
+        rows = []
+        for model, cluster, batch, seq in EX4_CASES:
+            want, got = reference_full_ac_cost(model, cluster, batch, seq), fn(model, cluster, batch, seq)
+            where = f"{model.name} on {cluster.world} x {cluster.gpu.name}, batch {batch} x {seq}"
+            if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
+                raise AssertionError(f"{where}: returned {got!r}; return a float, the fraction of tokens/s lost")
+            same = lambda v: math.isclose(got, v, rel_tol=1e-3, abs_tol=1e-6)  # noqa: E731
+            if not same(want):
+                why = next((w for w, v in _ex4_mistakes(model, cluster, batch, seq).items() if same(v)),
+                           "compare plan(..., checkpointing='full') with 'selective', same model, cluster, batch "
+                           "and seq_len, strategy 'fsdp'")
+                raise AssertionError(f"{where}: got {got:.4g}, the planner says {want:.4g} → {why}")
+            rows.append(f"{model.name} {cluster.world} GPUs: -{want:.1%}")
+        c.ok("; ".join(rows))
     return bool(c.passed)

@@ -1,35 +1,40 @@
 """The course at real scale: memory per GPU, step time and MFU of a real model on a published cluster.
 
-``plan(model, cluster, strategy, batch)`` applies the course's formulas to shapes nobody can run in a lab:
+``plan(model, cluster, strategy, batch, ...)`` applies the course's formulas to shapes nobody can run in a lab.
 
-* **memory per GPU** = model state (:func:`course_lib.maths.memory.state_bytes`, mixed precision + Adam:
-  the ZeRO paper's ``K = 12``) + FSDP's gathered buffers (two units in flight, one unit's unsharded
-  gradient) + **activations** (per token and layer, below) + the logits.
-* **step time** = compute (FLOPs / (peak · ``compute_efficiency``)) and communication
-  (:func:`course_lib.maths.costs.step_cost` through :class:`course_lib.maths.costs.AlphaBeta`, with the
-  link each collective's group crosses), overlapped the way FSDP's prefetch overlaps them.
-* **MFU** (model FLOPs utilisation) = tokens/s · model FLOPs per token / peak (Chowdhery et al., "PaLM:
-  Scaling Language Modeling with Pathways", 2022, appendix B): ``6N + 12·L·d·s`` per token; recomputation
-  is work the hardware does but the model does not count.
+**Step time, per operation** (one micro-batch; a step is ``grad_accum`` of them plus the optimizer). Every piece
+of work runs at the rate of its own kernel family (:mod:`course_lib.maths.planner_hw`, each rate cited), on the
+FLOPs and bytes counted in :mod:`course_lib.maths.planner_work`:
 
-Activations per token and layer, bf16, with a fused (flash) attention that stores no ``s × s`` matrix and
-no dropout: the block's saved inputs -- 2 norms, the qkv input, Q, K, V, the attention output, the MLP
-input (``12d + 4·d_kv`` bytes) -- plus the MLP's hidden tensors (``6·d_ff`` for a gated SwiGLU MLP: gate,
-up and their product; ``4·d_ff`` for GELU). For GPT-3 (``d_ff = 4d``) that is ``32·d``: the ``34·s·b·h``
-of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023), less
-its two dropout masks. Full checkpointing keeps each layer's input (``2d``) and rebuilds one layer at a
-time in backward. The logits cost ``6·V`` bytes per token (bf16 output + fp32 copy for the loss).
+* **matmul** -- ``6 x`` the linears' parameters per token, at ``peak · matmul_fraction`` (bf16) or the fp8 rate
+  (``float8=True``: the blocks' linears; the head stays bf16);
+* **attention** -- causal flash attention, forward + 2.5 x for its backward, at the FlashAttention papers'
+  measured rate for that sequence length;
+* **memory-bound** -- norms, residual adds, RoPE, the MLP activation, the loss over the vocabulary, float8's
+  casts, the optimizer and FSDP's copy-in/copy-out: bytes ÷ HBM bandwidth (``compile=True`` fuses the blocks'
+  pointwise ops, as torchtitan compiles each block; the loss stays eager);
+* **recompute** -- activation checkpointing's second forward: ``"full"`` the whole block, ``"selective"``
+  (torchtitan's per-op policy) every second matmul of a block and every pointwise op, no attention;
+* **exposed communication** -- FSDP's all-gathers and reduce-scatters at the bus bandwidth their message size
+  reaches on the link their group crosses, hidden under compute by prefetch except the first gather, the last
+  reduce and whatever does not fit; the compute slowed by NCCL's borrowed SMs while it hides; tensor
+  parallelism's per-layer collectives (on NVLink, on the critical path).
 
-Hardware figures are datasheet numbers: NVIDIA A100 and H100 Tensor Core GPU datasheets (dense bf16 312
-and 989 TFLOP/s; NVLink 600 and 900 GB/s both directions together, so 300 and 450 GB/s each way); NVIDIA
-DGX A100 / DGX H100 user guides (one 200 Gb/s HDR or 400 Gb/s NDR InfiniBand adapter per GPU). Latencies
-(``hop_latency_s``) are assumptions of a few microseconds per ring step, not measurements.
+**MFU** (model FLOPs utilisation) = tokens/s · model FLOPs per token / peak (Chowdhery et al., "PaLM: Scaling
+Language Modeling with Pathways", 2022, appendix B): ``6N + 12·L·d·s`` per token. **HFU** counts what the
+hardware really ran: recomputed matmuls too. Neither counts memory-bound work, which is why a run whose time
+goes to norms and softmax shows a low MFU on fast GPUs.
 
-Where this model is too optimistic: it assumes every FLOP runs at ``compute_efficiency`` of peak (a big
-bf16 GEMM does ~80%; attention, norms, the 128K-entry softmax and the optimizer do not), a collective
-reaches the link's datasheet bandwidth, and prefetch hides all communication that fits under compute.
+**Memory per GPU** = model state (:func:`course_lib.maths.memory.state_bytes`: mixed precision + Adam, the ZeRO
+paper's ``K = 12``) + FSDP's gathered buffers (two units in flight, one unit's unsharded gradient) + activations
+(:func:`course_lib.maths.planner_work.saved_bytes_per_token` per layer; under checkpointing plus one layer
+rebuilt at a time) + the loss: bf16 logits kept by the caller, fp32 log-probabilities saved for backward, their
+gradient and the logits' fp32 gradient alive together = ``14·V`` bytes per token (not 6) + 1 GiB of reserve
+(cuBLAS workspaces, NCCL buffers, the caching allocator's rounding).
 
-Longer than ~300 lines: the published shapes and hardware sit beside the one function that uses them.
+Calibration and validation against published runs: :mod:`course_lib.maths.planner_runs`.
+
+Longer than ~300 lines: the model shapes, the plan and its validation sit beside the one function that uses them.
 """
 from __future__ import annotations
 
@@ -37,15 +42,26 @@ import math
 from dataclasses import dataclass, field
 
 from course_lib.maths import memory
+from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, step_cost
+from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, IB_HDR,
+                                         IB_NDR, NVLINK_A100, NVLINK_H100, PCIE4, ROCE_1600G, GiB, Link)
 
-__all__ = ["ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "CHECKPOINTING",
-           "LLAMA3_8B", "LLAMA3_70B", "LLAMA_65B", "GPT3_175B", "A100_40GB", "A100_80GB", "H100",
-           "NVLINK_A100", "NVLINK_H100", "IB_HDR", "IB_NDR", "ETH_100G", "ETH_10G", "PCIE4", "GiB"]
+__all__ = ["ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "CHECKPOINTING", "BREAKDOWN",
+           "LLAMA3_8B", "LLAMA3_70B", "LLAMA_65B", "GPT3_175B", "A100_40GB", "A100_80GB", "H100", "H100_TT500W",
+           "NVLINK_A100", "NVLINK_H100", "IB_HDR", "IB_NDR", "ROCE_1600G", "ETH_100G", "ETH_10G", "PCIE4", "GiB"]
 
-GiB = 1024 ** 3
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "selective", "full")
+#: the parts of a step, in the order Lab 08 stacks them
+BREAKDOWN = ("matmul", "attention", "memory-bound", "recompute", "exposed comm")
+RESERVE_BYTES = 1 * GiB       #: cuBLAS workspaces, NCCL buffers, allocator rounding (an assumption)
+LOGITS_BYTES = 14             #: per token and vocabulary entry: bf16 logits 2 + fp32 log-probs 4 + 2 fp32 grads 8
+NCCL_CHANNELS = 16            #: SMs a running collective takes from compute (planner_hw [NCCL])
+#: share of a step in which the GPU runs no kernel at all (launch gaps, host synchronisation, Python): every
+#: compute part is stretched by 1 / (1 - IDLE_FRACTION). The one constant fitted to a training run for every GPU:
+#: the calibration run of :mod:`course_lib.maths.planner_runs` (torchtitan Llama-3.1-8B, 8 H100, eager).
+IDLE_FRACTION = 0.148
 
 
 def _positive_ints(obj, names):
@@ -69,12 +85,17 @@ class ModelShape:
     seq_len: int         #: s, the training context
     gated_mlp: bool = True         #: SwiGLU (3 matrices, Llama) or GELU (2 matrices, GPT)
     tied_embeddings: bool = False  #: the head reuses the input embedding (GPT-3) or has its own (Llama 3)
+    norm: str = "rms"              #: "rms" (Llama's RMSNorm, several kernels eager) or "layer" (one fused kernel)
+    rope: bool = True              #: rotary embeddings on q and k (elementwise work); False: ALiBi / learned
+    fused_qkv: bool = False        #: one Wqkv matmul (MPT, GPT) instead of three
 
     def __post_init__(self):
         _positive_ints(self, ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"))
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"d_model({self.d_model}) must divide by n_heads({self.n_heads}) and n_heads by "
                              f"n_kv_heads({self.n_kv_heads}); e.g. d_model=4096, n_heads=32, n_kv_heads=8")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm={self.norm!r} must be 'rms' or 'layer'")
 
     @property
     def d_kv(self) -> int:   # width of K (and of V): n_kv_heads · head_dim
@@ -105,51 +126,7 @@ class ModelShape:
 
     def activation_bytes_per_token_layer(self) -> int:
         """Bytes one layer saves for backward per token, bf16, flash attention: ``12d + 4·d_kv + 6·d_ff``."""
-        return 12 * self.d_model + 4 * self.d_kv + (6 if self.gated_mlp else 4) * self.d_ff
-
-
-# -- hardware -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_bytes: int      #: HBM per GPU
-    peak_flops: float      #: dense bf16 FLOP/s, datasheet
-
-    def __post_init__(self):
-        if self.memory_bytes <= 0 or self.peak_flops <= 0:
-            raise ValueError(f"GPU {self.name!r}: memory_bytes({self.memory_bytes}) and peak_flops"
-                             f"({self.peak_flops}) must be > 0")
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link's bandwidth in one direction: per GPU for NVLink/PCIe inside a node, per node between nodes."""
-
-    name: str
-    bandwidth_bytes_per_s: float   #: per direction (per GPU inside a node, per node between nodes)
-    hop_latency_s: float = 5e-6    #: per ring step (assumed); a ring over F ranks pays F - 1 of them
-
-    def __post_init__(self):
-        if self.bandwidth_bytes_per_s <= 0 or self.hop_latency_s < 0:
-            raise ValueError(f"Link {self.name!r}: bandwidth_bytes_per_s({self.bandwidth_bytes_per_s}) must be > 0 "
-                             f"and hop_latency_s({self.hop_latency_s}) >= 0")
-
-    def alpha_beta(self, group: int) -> AlphaBeta:
-        """The α-β model of one collective over a ring of ``group`` ranks on this link."""
-        return AlphaBeta((group - 1) * self.hop_latency_s, 1.0 / self.bandwidth_bytes_per_s)
-
-
-A100_40GB = GPU("A100-SXM4-40GB", 40 * GiB, 312e12)
-A100_80GB = GPU("A100-SXM4-80GB", 80 * GiB, 312e12)
-H100 = GPU("H100-SXM5-80GB", 80 * GiB, 989e12)
-NVLINK_A100 = Link("NVLink 3 (A100)", 300e9, 2e-6)
-NVLINK_H100 = Link("NVLink 4 (H100)", 450e9, 2e-6)
-PCIE4 = Link("PCIe 4.0 x16", 32e9, 5e-6)
-#: inter-node links are per *node*: a DGX A100 has 8 HDR adapters (8 x 200 Gb/s), a DGX H100 8 NDR (8 x 400 Gb/s)
-IB_HDR = Link("InfiniBand 8 x HDR 200 Gb/s per node", 8 * 25e9, 5e-6)
-IB_NDR = Link("InfiniBand 8 x NDR 400 Gb/s per node", 8 * 50e9, 5e-6)
-ETH_100G = Link("Ethernet 100 Gb/s per node", 12.5e9, 10e-6)
-ETH_10G = Link("Ethernet 10 Gb/s per node", 1.25e9, 20e-6)
+        return int(work.saved_bytes_per_token(self, "none"))
 
 
 @dataclass(frozen=True)
@@ -181,6 +158,19 @@ class Cluster:
         bw = min(bw, self.intra.bandwidth_bytes_per_s)
         return AlphaBeta((group - 1) * self.inter.hop_latency_s, 1.0 / bw)
 
+    def collective_s(self, wire_bytes: float, message_bytes: float, calls: int, group: int,
+                     per_node: int) -> float:
+        """Seconds of ``calls`` ring collectives moving ``wire_bytes`` per GPU in all, ``message_bytes`` per call,
+        over ``group`` GPUs of which ``per_node`` sit in each node. Inside a node: NVLink. Across nodes: the
+        ring may use the NICs of its ``per_node`` members (each GPU has ``inter / gpus_per_node``), capped by
+        NVLink. Either way at the bus bandwidth a message of that size reaches (latency-bound when small)."""
+        if group <= 1 or wire_bytes <= 0:
+            return 0.0
+        link = self.intra if group <= per_node else self.inter
+        bw = link.bandwidth_bytes_per_s * (1 if link is self.intra else per_node / self.gpus_per_node)
+        bw = min(bw, self.intra.bandwidth_bytes_per_s) * link.bus_fraction_at(message_bytes)
+        return calls * (group - 1) * link.hop_latency_s + wire_bytes / bw
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -189,28 +179,34 @@ class Plan:
     strategy: str
     world: int
     replicate: int
-    batch: int                 #: sequences per GPU per step
+    batch: int                 #: sequences per data-parallel rank per micro-batch
     seq_len: int
     checkpointing: str
     params: float              #: model-state bytes: parameters ...
     grads: float               #: ... gradients ...
     optimizer: float           #: ... and Adam (fp32 master, m, v)
     buffers: float             #: FSDP's gathered units and unsharded gradient in flight
-    activations: float         #: saved for backward (incl. the logits)
+    activations: float         #: saved for backward, the loss's buffers and the reserve
     memory_limit: float        #: the GPU's HBM
-    compute_s: float           #: all FLOPs (recomputation included) at peak · efficiency
+    compute_s: float           #: matmul + attention + memory-bound + recompute, the whole step
     comm_s: float              #: every collective, one after the other
-    exposed_comm_s: float      #: the part of comm_s that compute does not hide
+    exposed_comm_s: float      #: communication compute does not hide, + NCCL's slowdown of what it hides
     model_flops_per_token: float
-    hardware_flops_per_token: float   #: model FLOPs + the recomputed forward under full checkpointing
+    hardware_flops_per_token: float   #: model FLOPs + the recomputed matmuls (and attention under full AC)
     peak_flops: float
     comm_by_op: dict = field(default_factory=dict)   #: op -> seconds
+    parts: dict = field(default_factory=dict)        #: BREAKDOWN name -> seconds per step
+    tp: int = 1
+    grad_accum: int = 1
+    compile: bool = False
+    float8: bool = False
 
     state = property(lambda self: self.params + self.grads + self.optimizer)
     total = property(lambda self: self.state + self.buffers + self.activations)
     fits = property(lambda self: self.total <= self.memory_limit)
     step_s = property(lambda self: self.compute_s + self.exposed_comm_s)
-    tokens_per_s_per_gpu = property(lambda self: self.batch * self.seq_len / self.step_s)
+    tokens_per_step = property(lambda self: self.batch * self.seq_len * self.grad_accum / self.tp)   #: per GPU
+    tokens_per_s_per_gpu = property(lambda self: self.tokens_per_step / self.step_s)
 
     @property
     def mfu(self) -> float:
@@ -218,7 +214,7 @@ class Plan:
 
     @property
     def hfu(self) -> float:
-        """Hardware FLOPs utilisation: like :attr:`mfu`, counting the recomputed forward too."""
+        """Hardware FLOPs utilisation: like :attr:`mfu`, counting the recomputed work too."""
         return self.tokens_per_s_per_gpu * self.hardware_flops_per_token / self.peak_flops
 
     @property
@@ -228,73 +224,152 @@ class Plan:
 
     def summary(self) -> str:
         g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
-        return (f"{self.strategy} on {self.world} GPUs, batch {self.batch} x {self.seq_len}, AC {self.checkpointing}: "
+        knobs = "".join(k for k, on in ((" +compile", self.compile), (" +float8", self.float8)) if on)
+        knobs += f" TP {self.tp}" if self.tp > 1 else ""
+        return (f"{self.strategy} on {self.world} GPUs, batch {self.batch} x {self.seq_len}"
+                f"{f' x {self.grad_accum} accum' if self.grad_accum > 1 else ''}, AC {self.checkpointing}{knobs}: "
                 f"{g(self.total)} GiB/GPU (state {g(self.state)}, buffers {g(self.buffers)}, activations "
                 f"{g(self.activations)}) of {g(self.memory_limit)} -> {'fits' if self.fits else 'does NOT fit'}; "
                 f"step {self.step_s:.3f} s (compute {self.compute_s:.3f}, comm {self.comm_s:.3f}, exposed "
                 f"{self.exposed_comm_s:.3f}), {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.0%}")
 
 
-def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_len: int | None = None,
-         checkpointing: str = "none", replicate: int | None = None, compute_efficiency: float = 0.8,
-         reduce_bytes: int = 4, overlap: bool = True) -> Plan:
-    """One training step of ``model`` on ``cluster`` with ``batch`` sequences per GPU.
-
-    ``strategy``: ``"dp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` (= ``"zero3"``) or ``"hsdp"`` (``replicate``
-    copies, default one per node, each sharded over ``F = world / replicate`` GPUs). Parameters are
-    gathered in bf16, gradients reduced in ``reduce_bytes`` (4: fp32, torchtitan's default). A group spans
-    nodes -- and then runs at ``cluster.inter``'s bandwidth -- when it is larger than a node (or, for HSDP's
-    replicate all-reduce, whenever there are several nodes). ``overlap``: forward all-gathers hide under
-    the forward, backward traffic under the backward (DP, FSDP, HSDP), except the first unit's gather and the
-    last unit's reduce; ZeRO-1/2's parameter all-gather after the optimizer step hides under nothing.
-    """
-    row = strategies.get(strategy)
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be an int >= 1 (sequences per GPU per step)")
+def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficiency, tp, grad_accum, compile,
+                 float8):
+    for name, v in (("batch", batch), ("tp", tp), ("grad_accum", grad_accum)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1" + (" (sequences per GPU per step)"
+                                                                      if name == "batch" else ""))
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} must be one of {CHECKPOINTING}")
-    if not 0 < compute_efficiency <= 1:
-        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1]: a fraction of peak")
-    n, s = cluster.world, seq_len or model.seq_len
-    r = (replicate or cluster.nodes) if row.hybrid else (1 if replicate is None else replicate)
-    strategies.sharding_factor(strategy, n, r)                    # validates r, names every factor
-    st = memory.state_bytes(strategy, model.params, n, precision="mixed", replicate=r)   # 16Ψ/F for HSDP
-    units = model.units()
-    sizes = sorted(sum(math.prod(x) for x in u) for u in units)
-    # two units gathered in bf16 (the running one and the prefetched one) + one unsharded gradient
+    if compute_efficiency is not None:
+        if not 0 < compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1]: a fraction of peak")
+        if compile or float8 or tp > 1:
+            raise ValueError(f"compute_efficiency={compute_efficiency} is the one-number model; it cannot price "
+                             f"compile={compile}, float8={float8}, tp={tp}: leave compute_efficiency=None")
+    if float8 and not cluster.gpu.peak_fp8_flops:
+        raise ValueError(f"float8=True needs fp8 tensor cores; {cluster.gpu.name} has none: use an H100 or "
+                         "float8=False")
+    if tp > 1:
+        if strategy not in ("fsdp", "zero3", "hsdp"):
+            raise ValueError(f"tp={tp} with strategy={strategy!r}: tensor parallelism composes with 'fsdp' or "
+                             "'hsdp' (2-D FSDP x TP); use one of them or tp=1")
+        if cluster.gpus_per_node % tp or model.n_kv_heads % tp:
+            raise ValueError(f"tp({tp}) must divide gpus_per_node({cluster.gpus_per_node}) -- TP stays on NVLink "
+                             f"inside a node -- and n_kv_heads({model.n_kv_heads}) -- each GPU owns whole heads; "
+                             f"e.g. tp=8 for 8 GPUs and 8 KV heads")
+
+
+def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_len: int | None = None,
+         checkpointing: str = "none", replicate: int | None = None, compute_efficiency: float | None = None,
+         reduce_bytes: int = 4, overlap: bool = True, compile: bool = False, float8: bool = False, tp: int = 1,
+         grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2") -> Plan:
+    """One training step of ``model`` on ``cluster``: ``grad_accum`` micro-batches of ``batch`` sequences per
+    data-parallel rank (a TP group of ``tp`` GPUs shares one), then the optimizer.
+
+    ``strategy``: ``"dp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` (= ``"zero3"``) or ``"hsdp"`` (``replicate``
+    copies, default one per node, each sharded over ``F = world / (tp · replicate)`` GPUs). Parameters are
+    gathered in bf16, gradients reduced in ``reduce_bytes`` (4: fp32, torchtitan's default), every micro-batch.
+    ``checkpointing``: ``"none"``, ``"selective"`` (torchtitan's per-op policy) or ``"full"``. ``compile``:
+    torch.compile per block. ``float8``: the blocks' linears in fp8 with dynamic scaling. ``tp``: tensor
+    parallel degree inside a node, with sequence parallelism. ``optimizer_bytes``: HBM bytes AdamW moves per
+    local parameter (72: PyTorch's foreach implementation, 6 kernels over fp32 param, grad, m, v).
+    ``attention``: the kernel, ``"flash2"`` (PyTorch SDPA) or ``"triton"`` (MosaicML's 2023 runs).
+    ``compute_efficiency``: the course's old one-number model -- every FLOP at that fraction of peak, no
+    memory-bound work -- kept to show what it misses. ``overlap=False``: nothing hides under compute.
+    """
+    row = strategies.get(strategy)
+    _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficiency, tp, grad_accum, compile, float8)
+    n, s, gpu = cluster.world, seq_len or model.seq_len, cluster.gpu
+    if n % tp:
+        raise ValueError(f"tp({tp}) must divide the world size({n})")
+    dp = n // tp                                                 # data-parallel ranks (FSDP's mesh dim)
+    r = (replicate or cluster.nodes) if row.hybrid else (1 if replicate is None else replicate)   # HSDP: a copy per node
+    strategies.sharding_factor(strategy, dp, r)                  # validates r, names every factor
+    # -- memory -----------------------------------------------------------------------------------------
+    st = memory.state_bytes(strategy, math.ceil(model.params / tp), dp, precision="mixed", replicate=r)
+    units = [[(math.ceil(sum(math.prod(x) for x in u) / tp),)] for u in model.units()]
+    sizes = sorted(u[0][0] for u in units)
     buffers = 2 * (sizes[-1] + sizes[-2]) + reduce_bytes * sizes[-1] if row.params else 0.0
-    tokens = batch * s
-    per_layer = model.activation_bytes_per_token_layer()
-    if checkpointing == "none":
-        act = model.n_layers * per_layer * tokens
-    else:
-        act = model.n_layers * 2 * model.d_model * tokens + per_layer * tokens
-    act += 6 * model.vocab_size * tokens
-    # compute: the model's FLOPs plus one more forward (a third of 6N) when every layer is recomputed
+    tok = batch * s / tp                                          # tokens each GPU computes per micro-batch
+    L, V = model.n_layers, model.vocab_size
+    act = L * work.saved_bytes_per_token(model, checkpointing) * tok
+    if checkpointing != "none":
+        act += work.saved_bytes_per_token(model, "none") * tok   # one layer rebuilt at a time in backward
+    act += LOGITS_BYTES * V * tok + RESERVE_BYTES
+    # -- compute, per micro-batch ------------------------------------------------------------------------
+    mm_block, mm_head = work.matmul_flops_per_token(model)
+    attn = work.attention_flops_per_token(model, s)
+    frac = work.recomputed_matmul_fraction(model, checkpointing)
     mf = model.model_flops_per_token(s)
-    hw = mf * (4 / 3 if checkpointing == "full" else 1.0)
-    compute = tokens * hw / (cluster.gpu.peak_flops * compute_efficiency)
-    # communication: the course's per-step cost, each op on the link its group crosses
-    cost = step_cost(strategy, units, n, param_bytes=2, reduce_bytes=reduce_bytes, padding="none", replicate=r)
+    hw = mf + frac * mm_block + (6 * L * model.d_model * s if checkpointing == "full" else 0)
+    if compute_efficiency is not None:                            # the one-number model
+        rate = gpu.peak_flops * compute_efficiency
+        mm_s, attn_s, mem_s = tok * mf / rate, 0.0, 0.0
+        rec_s = tok * (hw - mf) / rate
+    else:
+        blk_rate = gpu.matmul_rate(model.d_model, fp8=float8)
+        head_rate = gpu.matmul_rate(model.d_model)
+        attn_rate = gpu.attention_rate(s, attention)
+        bw = gpu.stream_bytes_per_s
+        pw = work.pointwise_bytes_per_token(model, compile) * L
+        mm_s = tok * 3 * (mm_block / blk_rate + mm_head / head_rate)
+        attn_s = tok * 3.5 * attn / attn_rate
+        per_tok = 3 * pw + work.loss_bytes_per_token(model, False)
+        per_tok += work.float8_bytes_per_token(model, compile) if float8 else 0.0
+        fsdp_copies = 18 * model.params / tp if row.params else 0.0   # copy-out of 2 gathers, cast + copy-in
+        mem_s = (tok * per_tok + fsdp_copies) / bw
+        rec_s = tok * (frac * mm_block / blk_rate + (pw / bw if checkpointing != "none" else 0.0)
+                       + (attn / attn_rate if checkpointing == "full" else 0.0))
+    stretch = 1.0 if compute_efficiency is not None else 1 / (1 - IDLE_FRACTION)
+    mm_s, attn_s, mem_s, rec_s = (x * stretch for x in (mm_s, attn_s, mem_s, rec_s))
+    micro_c = mm_s + attn_s + mem_s + rec_s
+    # -- communication, per micro-batch ------------------------------------------------------------------
+    cost = step_cost(strategy, units, dp, param_bytes=2, reduce_bytes=reduce_bytes, padding="none", replicate=r)
     by_op, phase_s = {}, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    shard_per_node = max(1, cluster.gpus_per_node // tp)
     for o in cost.ops:
-        ab = cluster.alpha_beta(o.group_size, hybrid_replicate=row.hybrid and o.op == "all_reduce")
-        t = o.count * ab.alpha_s + ab.beta_s_per_byte * o.wire_bytes
+        across_replicas = row.hybrid and o.op == "all_reduce"
+        per_node = 1 if across_replicas and cluster.nodes > 1 else min(o.group_size, shard_per_node)
+        if across_replicas and cluster.nodes == 1:
+            per_node = o.group_size
+        t = cluster.collective_s(o.wire_bytes, o.payload_bytes / o.count, o.count, o.group_size, per_node)
         by_op[f"{o.op} ({o.phase})"] = by_op.get(f"{o.op} ({o.phase})", 0.0) + t
         phase_s[o.phase] += t
-    comm = sum(phase_s.values())
+    fsdp_comm = sum(phase_s.values())
+    tp_s = 0.0
+    if tp > 1:   # sequence parallel: 2 all-gathers + 2 reduce-scatters of the activations per layer and pass
+        msg = batch * s * model.d_model * 2
+        passes = 2 + (checkpointing != "none")
+        calls = 4 * L * passes
+        tp_s = cluster.collective_s(calls * msg * (tp - 1) / tp, msg, calls, tp, tp)
+        by_op["tensor parallel (every layer)"] = tp_s
     if not overlap:
-        exposed = comm
+        exposed, hidden = fsdp_comm, 0.0
     else:
         k = len(units)
-        passes = 4 if checkpointing == "full" else 3      # forward = 1 pass; backward = 2 (+1 recompute)
-        fwd_c, bwd_c = compute / passes, compute * (passes - 1) / passes
+        fwd_c = (micro_c - rec_s) / 3
+        bwd_c = micro_c - fwd_c
         edge = (phase_s["forward"] + phase_s["backward"]) / k if row.params else 0.0   # first gather, last reduce
         exposed = (max(0.0, phase_s["forward"] - fwd_c) + max(0.0, phase_s["backward"] - bwd_c)
-                   + phase_s["optimizer"] + min(edge, comm))
-    return Plan(strategy, n, r, batch, s, checkpointing, st.params, st.grads, st.optimizer, float(buffers),
-                float(act), float(cluster.gpu.memory_bytes), compute, comm, min(exposed, comm), mf,
-                hw, cluster.gpu.peak_flops, by_op)
+                   + phase_s["optimizer"] + min(edge, fsdp_comm))
+        exposed = min(exposed, fsdp_comm)
+        hidden = fsdp_comm - exposed
+    slowdown = hidden * NCCL_CHANNELS / gpu.sms if compute_efficiency is None else 0.0
+    # -- the step ----------------------------------------------------------------------------------------
+    opt_s = 0.0 if compute_efficiency is not None else \
+        stretch * optimizer_bytes * st.optimizer / 12 / gpu.stream_bytes_per_s   # Adam state: 12 B per local param
+    parts = {"matmul": grad_accum * mm_s, "attention": grad_accum * attn_s,
+             "memory-bound": grad_accum * mem_s + opt_s, "recompute": grad_accum * rec_s,
+             "exposed comm": grad_accum * (exposed + slowdown + tp_s)}
+    return Plan(strategy=strategy, world=n, replicate=r, batch=batch, seq_len=s, checkpointing=checkpointing,
+                params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=float(buffers),
+                activations=float(act), memory_limit=float(gpu.memory_bytes),
+                compute_s=grad_accum * micro_c + opt_s, comm_s=grad_accum * (fsdp_comm + tp_s),
+                exposed_comm_s=parts["exposed comm"], model_flops_per_token=mf, hardware_flops_per_token=hw,
+                peak_flops=gpu.peak_flops, comm_by_op=by_op, parts=parts, tp=tp, grad_accum=grad_accum,
+                compile=compile, float8=float8)
 
 
 #: Meta, "The Llama 3 Herd of Models" (2024), table 3; sizes from the released config.json files.
@@ -304,4 +379,5 @@ LLAMA3_70B = ModelShape("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, 8192)
 LLAMA_65B = ModelShape("LLaMA-65B", 80, 8192, 64, 64, 22016, 32000, 2048)
 #: Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1: 96 layers, d 12288, 96 heads, 2048 ctx
 #: (biases and the 25M learned position embeddings left out: 0.02% of the parameters).
-GPT3_175B = ModelShape("GPT-3-175B", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, gated_mlp=False, tied_embeddings=True)
+GPT3_175B = ModelShape("GPT-3-175B", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, gated_mlp=False, tied_embeddings=True,
+                       norm="layer", rope=False, fused_qkv=True)

@@ -1,0 +1,209 @@
+"""Published training runs the planner is judged by: a calibration set and a separate validation set.
+
+**Calibration** -- what the planner's constants come from. The rates of :mod:`course_lib.maths.planner_hw`
+come from datasheets, published GEMM sweeps, the FlashAttention-2/-3 papers and nccl-tests (cited there). Two
+constants are fitted to training runs, both in :data:`CALIBRATION` and nowhere else: the clock factor of
+torchtitan's power-capped 500 W H100 (fitted to its eager Llama-3.1-8B run, the run Lab 08 already quotes) and
+the fraction of the fp8 peak an fp8 GEMM reaches (fitted to the same run with float8). The compiled run is
+calibration too (the fusion rules of :mod:`course_lib.maths.planner_work` were written while looking at it).
+
+**Validation** -- :data:`VALIDATION`: 25 runs from three other publications, chosen before the planner was
+compared with any of them, never used to set a constant: 1B to 70B, A100-40GB, A100-80GB and H100, 8 to 256
+GPUs, 2K to 32K tokens, FSDP, HSDP and FSDP x TP, eager and compiled, bf16 and float8. Sources:
+
+* [TT-H100] pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (Dec 2024), tables 1-4:
+  Grand Teton H100 96 GB HBM2e, 500 W, 400 Gb/s RDMA per GPU.
+* [TT-A100] pytorch/torchtitan ``docs/performance.md`` (2024 revision, "Llama 3 performance numbers" and
+  "Llama 2 performance numbers"): FSDP2 on 64 A100-80GB, tokens/s ("WPS") per GPU. The network is not stated;
+  assumed 8 x HDR InfiniBand per node (Meta's Research SuperCluster).
+* [FMS] foundation-model-stack/fms-fsdp ``README.md`` table (also "Maximizing training throughput using PyTorch
+  FSDP", PyTorch blog, IBM and Meta, March 2024): Llama 2 shapes, 128 A100, seq 4096, SDPA flash attention.
+  The network is not stated; assumed 1,600 Gb/s per node like MosaicML's.
+* [MPT] mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: MPT (GELU MLP, fused LayerNorm, fused
+  Wqkv, tied embeddings, vocabulary 50,368) with Composer's FSDP (FULL_SHARD); A100 clusters
+  with 1,600 Gb/s RoCE per node; H100 network not stated, assumed 8 x NDR InfiniBand. "PURE" rows reduce in
+  bf16. Activation checkpointing ``True`` = every block (full). ``submit_benchmarks.py`` runs
+  ``--attn_impl triton`` by default (the Triton flash attention), on torch 2.0 (``sweep.sh``).
+
+``compare(runs)`` prices each run; ``table(rows)`` prints predicted / published with the median, the worst ratio
+and how many land within ±20%.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from course_lib.maths import planner as pl
+from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, H100, H100_TT500W, IB_HDR, IB_NDR, NVLINK_A100,
+                                         NVLINK_H100, ROCE_1600G, GiB)
+
+__all__ = ["PublishedRun", "CALIBRATION", "VALIDATION", "compare", "summary", "table", "LLAMA2_7B", "LLAMA2_13B",
+           "LLAMA2_34B", "LLAMA2_70B", "MPT"]
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measurement and the configuration that produced it."""
+
+    name: str
+    source: str                 #: short key of the publication (module docstring)
+    model: pl.ModelShape
+    cluster: pl.Cluster
+    batch: int                  #: sequences per data-parallel rank per micro-batch
+    seq_len: int
+    tokens_per_s: float         #: published, per GPU
+    checkpointing: str = "none"
+    strategy: str = "fsdp"
+    compile: bool = False
+    float8: bool = False
+    tp: int = 1
+    grad_accum: int = 1
+    replicate: int | None = None
+    reduce_bytes: int = 4
+    memory_gib: float | None = None   #: published peak memory per GPU, where given
+    attention: str = "flash2"         #: the attention kernel the run used
+
+    def plan(self) -> pl.Plan:
+        return pl.plan(self.model, self.cluster, self.strategy, self.batch, seq_len=self.seq_len,
+                       checkpointing=self.checkpointing, replicate=self.replicate, compile=self.compile,
+                       float8=self.float8, tp=self.tp, grad_accum=self.grad_accum, reduce_bytes=self.reduce_bytes,
+                       attention=self.attention)
+
+
+#: Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models" (2023) and the released config.json files
+LLAMA2_7B = pl.ModelShape("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, 4096)
+LLAMA2_13B = pl.ModelShape("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096)
+LLAMA2_34B = pl.ModelShape("Llama-2-34B", 48, 8192, 64, 8, 22016, 32000, 4096)   # Code Llama 34B's shape
+LLAMA2_70B = pl.ModelShape("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096)
+
+
+def _mpt(name, layers, d, heads):
+    """llm-foundry ``scripts/train/yamls/pretrain/mpt-<size>.yaml``: expansion ratio 4, vocabulary 50,368."""
+    return pl.ModelShape(f"MPT-{name}", layers, d, heads, heads, 4 * d, 50368, 2048, gated_mlp=False,
+                         tied_embeddings=True, norm="layer", rope=False, fused_qkv=True)
+
+
+MPT = {"1b": _mpt("1B", 24, 2048, 16), "3b": _mpt("3B", 32, 2560, 20), "7b": _mpt("7B", 32, 4096, 32),
+       "13b": _mpt("13B", 40, 5120, 40), "30b": _mpt("30B", 48, 7168, 64), "70b": _mpt("70B", 80, 8192, 64)}
+
+_TT = lambda nodes: pl.Cluster(H100_TT500W, 8, nodes, NVLINK_H100, IB_NDR)  # noqa: E731  [TT-H100]
+_A80 = lambda nodes, inter=IB_HDR: pl.Cluster(A100_80GB, 8, nodes, NVLINK_A100, inter)  # noqa: E731
+_A40 = lambda nodes: pl.Cluster(A100_40GB, 8, nodes, NVLINK_A100, ROCE_1600G)  # noqa: E731
+_H = lambda nodes: pl.Cluster(H100, 8, nodes, NVLINK_H100, IB_NDR)  # noqa: E731
+L8, L70 = pl.LLAMA3_8B, pl.LLAMA3_70B
+
+
+def _mpt_run(name, size, cluster, batch, seq, tps, ac="none", **kw):
+    """An llm-foundry benchmark row [MPT]: Triton flash attention, Composer FSDP (FULL_SHARD)."""
+    return PublishedRun(name, "MPT", MPT[size], cluster, batch, seq, tps, ac, attention="triton", **kw)
+
+CALIBRATION = (
+    PublishedRun("torchtitan Llama-3.1-8B, 8 H100, FSDP, sel. AC", "TT-H100", L8, _TT(1), 2, 8192, 5762,
+                 "selective", memory_gib=82.4),
+    PublishedRun("  + torch.compile", "TT-H100", L8, _TT(1), 2, 8192, 6667, "selective", compile=True,
+                 memory_gib=77.0),
+    PublishedRun("  + torch.compile + float8", "TT-H100", L8, _TT(1), 2, 8192, 8532, "selective", compile=True,
+                 float8=True, memory_gib=76.8),
+)
+
+VALIDATION = (
+    PublishedRun("torchtitan Llama-3.1-8B, 128 H100, sel. AC", "TT-H100", L8, _TT(16), 2, 8192, 5605,
+                 "selective", memory_gib=67.0),
+    PublishedRun("  + torch.compile", "TT-H100", L8, _TT(16), 2, 8192, 6514, "selective", compile=True,
+                 memory_gib=62.0),
+    PublishedRun("  + torch.compile + float8", "TT-H100", L8, _TT(16), 2, 8192, 8380, "selective", compile=True,
+                 float8=True, memory_gib=61.8),
+    PublishedRun("torchtitan Llama-3.1-8B, 8 H100, 32K, full AC, fp8", "TT-H100", L8, _TT(1), 1, 32768, 3890,
+                 "full", compile=True, float8=True, memory_gib=83.9),
+    PublishedRun("torchtitan Llama-3.1-70B, 256 H100, FSDP32 x TP8", "TT-H100", L70, _TT(32), 16, 8192, 829,
+                 "full", compile=True, float8=True, tp=8, memory_gib=71.9),
+    PublishedRun("torchtitan Llama-3-8B, 64 A100-80GB, sel. AC", "TT-A100", L8, _A80(8), 1, 8192, 2973,
+                 "selective"),
+    PublishedRun("torchtitan Llama-3-70B, 64 A100-80GB, full AC", "TT-A100", L70, _A80(8), 1, 8192, 331, "full"),
+    PublishedRun("torchtitan Llama-2-13B, 64 A100-80GB, no AC", "TT-A100", LLAMA2_13B, _A80(8), 2, 4096, 2162),
+    PublishedRun("torchtitan Llama-2-70B, 64 A100-80GB, full AC", "TT-A100", LLAMA2_70B, _A80(8), 2, 4096, 353,
+                 "full"),
+    PublishedRun("fms-fsdp Llama-2-7B, 128 A100, HSDP", "FMS", LLAMA2_7B, _A80(16, ROCE_1600G), 2, 4096, 3760,
+                 strategy="hsdp"),
+    PublishedRun("fms-fsdp Llama-2-13B, 128 A100, HSDP", "FMS", LLAMA2_13B, _A80(16, ROCE_1600G), 1, 4096, 1700,
+                 strategy="hsdp"),
+    PublishedRun("fms-fsdp 34B, 128 A100, FSDP, AC", "FMS", LLAMA2_34B, _A80(16, ROCE_1600G), 8, 4096, 772, "full"),
+    PublishedRun("fms-fsdp Llama-2-70B, 128 A100, FSDP, AC", "FMS", LLAMA2_70B, _A80(16, ROCE_1600G), 6, 4096, 380,
+                 "full"),
+    _mpt_run("MPT-1B, 64 H100, 2K", "1b", _H(8), 20, 2048, 44402),
+    _mpt_run("MPT-7B, 8 H100, 2K", "7b", _H(1), 6, 2048, 10643),
+    _mpt_run("MPT-13B, 32 H100, 2K", "13b", _H(4), 2, 2048, 4811),
+    _mpt_run("MPT-30B, 32 H100, 2K, AC", "30b", _H(4), 14, 2048, 2308, "full", grad_accum=3),
+    _mpt_run("MPT-70B, 64 H100, 2K, AC", "70b", _H(8), 8, 2048, 1039, "full", grad_accum=4),
+    _mpt_run("MPT-7B, 8 H100, 32K, AC", "7b", _H(1), 2, 32768, 3318, "full", grad_accum=2),
+    _mpt_run("MPT-7B, 8 A100-80GB, 2K", "7b", _A80(1, ROCE_1600G), 6, 2048, 4641, grad_accum=2),
+    _mpt_run("MPT-13B, 8 A100-80GB, 4K, AC", "13b", _A80(1, ROCE_1600G), 10, 4096, 2060, "full",
+                 grad_accum=3),
+    _mpt_run("MPT-70B, 64 A100-80GB, 2K, AC", "70b", _A80(8, ROCE_1600G), 8, 2048, 410, "full",
+                 grad_accum=4, reduce_bytes=2),
+    _mpt_run("MPT-3B, 128 A100-40GB, 2K", "3b", _A40(16), 6, 2048, 9538, reduce_bytes=2),
+    _mpt_run("MPT-30B, 128 A100-40GB, 2K, AC", "30b", _A40(16), 6, 2048, 865, "full",
+                 reduce_bytes=2),
+    _mpt_run("MPT-1B, 8 A100-80GB, 8K", "1b", _A80(1, ROCE_1600G), 3, 8192, 13814, grad_accum=4),
+)
+
+
+def compare(runs) -> list[dict]:
+    """One row per run: published and predicted tokens/s/GPU, their ratio (predicted / published), memory."""
+    rows = []
+    for run in runs:
+        p = run.plan()
+        rows.append({"run": run.name, "source": run.source, "published": run.tokens_per_s,
+                     "predicted": p.tokens_per_s_per_gpu, "ratio": p.tokens_per_s_per_gpu / run.tokens_per_s,
+                     "memory_gib": run.memory_gib, "predicted_gib": p.total / GiB, "plan": p})
+    return rows
+
+
+def summary(rows) -> dict:
+    """Median ratio, the worst ratio (furthest from 1, either way, as a factor >= 1) and the count within ±20%."""
+    ratios = [r["ratio"] for r in rows]
+    worst = max(ratios, key=lambda x: max(x, 1 / x))
+    return {"median": statistics.median(ratios), "worst": worst, "worst_factor": max(worst, 1 / worst),
+            "within_20": sum(0.8 <= x <= 1.2 for x in ratios), "n": len(ratios)}
+
+
+def table(rows, title: str = "") -> str:
+    """Predicted / published, one line per run, then the summary line."""
+    head = f"{'run':<52}{'published':>10}{'predicted':>10}{'ratio':>7}{'GiB pub/pred':>14}  source"
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    for r in rows:
+        mem = f"{r['memory_gib']:.1f}/{r['predicted_gib']:.1f}" if r["memory_gib"] else ""
+        lines.append(f"{r['run']:<52}{r['published']:>10,.0f}{r['predicted']:>10,.0f}{r['ratio']:>7.2f}{mem:>14}  "
+                     f"{r['source']}")
+    s = summary(rows)
+    lines.append(f"median ratio {s['median']:.2f}, worst {s['worst']:.2f} ({s['worst_factor']:.2f}x), within ±20%: "
+                 f"{s['within_20']}/{s['n']}")
+    return "\n".join(lines)
+
+
+def fit_calibration() -> dict:
+    """The two constants fitted to training runs, recomputed from :data:`CALIBRATION` by bisection: the idle
+    fraction (every GPU) from the eager run, then the fp8 GEMM fraction (H100) from the float8 run. The values
+    written in :mod:`course_lib.maths.planner` and :mod:`course_lib.maths.planner_hw` are these, rounded."""
+    import dataclasses
+
+    from course_lib.maths import planner_hw as hw
+
+    def ratio(run, gpu, idle):
+        old, pl.IDLE_FRACTION = pl.IDLE_FRACTION, idle
+        try:
+            return dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, gpu=gpu)).plan() \
+                .tokens_per_s_per_gpu / run.tokens_per_s
+        finally:
+            pl.IDLE_FRACTION = old
+
+    def solve(f, lo, hi):          # f decreasing in x: find f(x) = 1
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) > 1 else (lo, mid)
+        return (lo + hi) / 2
+
+    gpu = CALIBRATION[0].cluster.gpu
+    idle = solve(lambda x: ratio(CALIBRATION[0], gpu, x), 0.0, 0.6)
+    fp8 = solve(lambda x: 1 / ratio(CALIBRATION[2], dataclasses.replace(gpu, fp8_matmul_fraction=x), idle), 0.2, 1.0)
+    return {"idle_fraction": idle, "fp8_matmul_fraction": fp8, "gpu": hw.H100_TT500W.name}
