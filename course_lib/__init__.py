@@ -11,7 +11,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
                time from α, β and FLOP/s), planner (real models on real clusters)       <- runtime, comm
-  launch/      pool (run a notebook function on N ranks), rank (the rank side), results
+  launch/      pool (run a notebook function on N ranks), rank (the rank side), results, preload (the fork
+               server's imports, in two stages)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)

@@ -1,0 +1,48 @@
+"""`python -m course_lib bench launch`: it runs to the end, prints the cold-start breakdown, and the fork
+server's two-stage preload (launch/preload.py) keeps the heavy imports out of the first ranks but gives them
+to every later pool. Timings are printed by the bench, never asserted here (a shared 2-core machine)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_bench_launch_tiniest_run_prints_every_stage():
+    out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "launch", "--ranks", "2", "--cold", "1",
+                          "--warm", "1", "--fresh", "1"], capture_output=True, text=True, timeout=180, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "cold start (new interpreter -> first all-reduce on 2 ranks): median" in text
+    for stage in ("interpreter", "imports", "fork server", "forks", "rendezvous", "first collective"):
+        assert f"  {stage} " in text, stage
+    assert "failures 0/1" in text and "[0, 0]" in text        # fresh launch worked; ranks left with status 0
+
+
+_STAGES = textwrap.dedent("""
+    import sys, time
+    from course_lib import launch
+    def heavy():
+        import sys
+        return "torch._dynamo" in sys.modules and "torch.distributed.fsdp" in sys.modules
+    if __name__ == "__main__":
+        first = launch.run(heavy, world_size=2)
+        assert "torch" not in sys.modules, "the notebook side imported torch for a CPU launch"
+        assert set(first.startup) == {"fork_server_asked", "pool_asked", "first_rank_forked", "last_rank_forked",
+                                      "all_ranks_ready"}, first.startup
+        deadline = time.monotonic() + 60
+        later = launch.run(heavy, world_size=2, fresh=True)
+        while not all(later) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            later = launch.run(heavy, world_size=2, fresh=True)
+        print(list(first), list(later), later.startup is not None)
+""")
+
+
+def test_first_ranks_start_before_the_heavy_imports_and_later_pools_have_them(tmp_path):
+    script = tmp_path / "stages.py"
+    script.write_text(_STAGES)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "[False, False] [True, True] True"
