@@ -32,10 +32,11 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
   authoring/   labs (solution -> lab), validate, run (run-solutions)                      <- runtime
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
-               before any rank trains), torchrun_demo                                        <- everything
+               before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
+               and a quiet exit), torchrun_demo                                              <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
-``train``, ``train_jax``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``
+``train``, ``train_jax``, ``torchrun``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``
 keeps working. Vocabulary (sharded parameter, all-gather output, padding, unit, payload V) is defined once,
 in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 

@@ -426,7 +426,7 @@ def _root_cause(exc: BaseException) -> tuple[str, bool]:
     whether it is the storage's (an ``OSError`` that is not a broken connection)."""
     failures = getattr(exc, "failures", None) or {}
     for _, f in sorted(failures.items()):
-        inner = getattr(f, "exc", None) or f
+        inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)   # (exception, stack) per rank
         if isinstance(inner, BaseException):
             exc = inner
             break
