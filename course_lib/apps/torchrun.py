@@ -39,7 +39,7 @@ def _check_train_flags(config, cmd_args) -> int:
             from course_lib.apps.train_config import check_paths, check_ranks
             from course_lib.launch.pool import max_world_size
             from course_lib.runtime.devices import gpu_count
-            check_ranks(config.nproc_per_node, max_world_size(), gpu_count(), "course_lib.train")
+            check_ranks(config.nproc_per_node, max_world_size(), gpu_count())
             check_paths(train.from_args(args, config.nproc_per_node))
     except ConfigError as e:
         print(f"course_lib.train: {e}", file=sys.stderr, flush=True)

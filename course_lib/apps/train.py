@@ -172,7 +172,7 @@ def preflight(args, world: int, local_ranks: int | None = None):
     from course_lib.runtime.devices import gpu_count
     cfg = from_args(args, world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_ranks is None else local_ranks
-    check_ranks(local, max_world_size(), gpu_count(), "course_lib.train")
+    check_ranks(local, max_world_size(), gpu_count())
     check_paths(cfg)
     if cfg.resume:
         check_resume(cfg)
@@ -207,7 +207,6 @@ def main(argv=None) -> int:
 
 
 def _train(cfg) -> int:
-
     import torch
     import torch.distributed as dist
     from tqdm.auto import tqdm

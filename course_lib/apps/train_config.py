@@ -109,10 +109,11 @@ def _default(name: str):
     return {f.name: f.default for f in dataclasses.fields(TrainConfig)}.get(name)
 
 
-def check_paths(cfg: TrainConfig) -> None:
+def check_paths(cfg) -> None:
     """What the flags ask of the filesystem, before any rank starts: the ``--jsonl`` folder exists and is
     writable, the checkpoint folder is writable (or can be created), and ``--resume`` names a folder that
-    exists -- a typo must not silently start afresh. Raises :class:`ConfigError` (one line)."""
+    exists -- a typo must not silently start afresh. ``cfg``: a :class:`TrainConfig` or the parsed flags (its
+    ``jsonl``, ``ckpt_dir``, ``resume``). Raises :class:`ConfigError` (one line)."""
     import os
     errors = []
     if cfg.jsonl:
@@ -139,7 +140,7 @@ def check_paths(cfg: TrainConfig) -> None:
         raise ConfigError("bad configuration, nothing was started: " + "; ".join(errors))
 
 
-def check_ranks(local_ranks: int, limit: int, gpus: int, script: str) -> None:
+def check_ranks(local_ranks: int, limit: int, gpus: int) -> None:
     """More ranks on this machine than it can run (``--nproc-per-node``): :class:`ConfigError`, one line."""
     if gpus and local_ranks > gpus:
         raise ConfigError(f"bad configuration, nothing was started: --nproc-per-node {local_ranks} but this machine "

@@ -1,23 +1,13 @@
-"""`python -m course_lib bench launch`: it runs to the end, prints the cold-start breakdown, and the fork
-server's two-stage preload (launch/preload.py) keeps the heavy imports out of the first ranks but gives them
-to every later pool. Timings are printed by the bench, never asserted here (a shared 2-core machine)."""
+"""The fork server's two-stage preload (launch/preload.py): the heavy imports stay out of a kernel's first
+ranks (the cold start `bench launch` measures) and reach every later pool; the notebook side imports no torch
+for a CPU launch; ``RunResult.startup`` carries the milestones the bench prints. (`make bench WHAT=launch` itself
+runs in tests/test_readme_commands.py.) Timings are never asserted here: a shared 2-core machine."""
 import os
 import subprocess
 import sys
 import textwrap
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def test_bench_launch_tiniest_run_prints_every_stage():
-    out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "launch", "--ranks", "2", "--cold", "1",
-                          "--warm", "1", "--fresh", "1"], capture_output=True, text=True, timeout=180, env=ENV)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout
-    assert "cold start (new interpreter -> first all-reduce on 2 ranks): median" in text
-    for stage in ("interpreter", "imports", "fork server", "forks", "rendezvous", "first collective"):
-        assert f"  {stage} " in text, stage
-    assert "failures 0/1" in text and "[0, 0]" in text        # fresh launch worked; ranks left with status 0
 
 
 _STAGES = textwrap.dedent("""
