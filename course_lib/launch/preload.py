@@ -60,7 +60,17 @@ def start(rest) -> threading.Thread | None:
     _last_fork[0] = time.monotonic()  # the pool's fork requests are usually queued already: serve them first
     t = threading.Thread(target=_import_rest, args=(rest,), name="course_lib-preload", daemon=True)
     t.start()
+    # The server leaves when the notebook does (its main loop notices only between requests, and an interpreter
+    # exit beside a thread that is mid-import can stall): its ranks then die with it (PR_SET_PDEATHSIG).
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(),), name="course_lib-orphan-watch",
+                     daemon=True).start()
     return t
+
+
+def _leave_with_parent(ppid: int):
+    while os.getppid() == ppid:
+        time.sleep(0.1)
+    os._exit(0)
 
 
 if os.environ.get("COURSE_LIB_PRELOAD_REST") is not None:  # set by pool._context: the fork server imports us
