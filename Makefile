@@ -10,8 +10,9 @@ TORCH_VERSION := 2.13.0
 # This machine's pip.conf makes pip print one "Location ... is ignored" warning per index location;
 # drop those lines from stderr, keep everything else (pip's exit status is untouched).
 PIP_FILTER := 2> >(grep -v 'is ignored' >&2)
-# Which course_lib/bench_<WHAT>.py `make bench` runs.
+# Which course_lib/bench/<WHAT>.py `make bench` runs, and its flags (e.g. ARGS="--ranks 2 --cold 1").
 WHAT ?= launch
+ARGS ?=
 
 .PHONY: lab test solutions labs doctor install bench clean system-deps
 
@@ -60,7 +61,7 @@ doctor: $(STAMP)
 	$(PY) -m course_lib doctor
 
 bench: $(STAMP)
-	$(PY) -m course_lib bench $(WHAT)
+	$(PY) -m course_lib bench $(WHAT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) test-artifacts .pytest_cache

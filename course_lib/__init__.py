@@ -13,7 +13,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
-  launch/      pool (run a notebook function on N ranks), rank (the rank side), results
+  launch/      pool (run a notebook function on N ranks), rank (the rank side), results, preload (the fork
+               server's imports, in two stages)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)
@@ -35,10 +36,11 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
   authoring/   labs (solution -> lab), validate, run (run-solutions)                      <- runtime
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
-               before any rank trains), torchrun_demo                                        <- everything
+               before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
+               and a quiet exit), torchrun_demo                                              <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
-``train``, ``train_jax``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``
+``train``, ``train_jax``, ``torchrun``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``
 keeps working. Vocabulary (sharded parameter, all-gather output, padding, unit, payload V) is defined once,
 in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 

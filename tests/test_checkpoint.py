@@ -169,6 +169,8 @@ def test_rank_killed_mid_save_leaves_previous_loadable(tmp_path):
         course_lib.run(_die_mid_save, str(tmp_path), world_size=2)
     mgr = cm.Checkpointer(tmp_path)
     assert mgr.steps() == [1] and [p.name for p in mgr.incomplete()] == ["step_00000002.partial"]
+    assert mgr.latest() == 1 and mgr.ignored() == [f"ignored {mgr.incomplete()[0]}: an unfinished save (never "
+                                                   "committed)"]          # what a trainer prints at resume
     with pytest.raises(cm.CheckpointCorrupt, match=r"step_00000002.partial/.metadata does not exist"):
         cm.verify(mgr.incomplete()[0])
     model, opt, sched, data = ck.resumable_run(cfg, seed=1)

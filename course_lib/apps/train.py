@@ -36,7 +36,8 @@ import statistics
 import sys
 import time
 
-from course_lib.apps.train_config import ConfigError, add_arguments, check_resume, from_args, write_run_record
+from course_lib.apps.train_config import (RUN_RECORD, ConfigError, add_arguments, check_paths, check_ranks, check_resume,
+                                          from_args, quiet_parser_errors, write_run_record)
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
 
@@ -140,19 +141,72 @@ def _peak_memory(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
 
 
-def main(argv=None) -> int:
+def check_checkpoint_fits(cfg) -> None:
+    """A resume folder whose checkpoints have no ``run.json`` (copied by hand, an older course): compare the
+    newest step's tensor shapes with this model's, built on the meta device (no memory, no process group)."""
+    from pathlib import Path
+    root = Path(cfg.ckpt_dir)
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / ".metadata").is_file())
+    if not steps or (root / RUN_RECORD).is_file():
+        return
+    import torch
+    from course_lib.models import TorchGPT
+    from course_lib.strategies.checkpoint.torch import read_metadata
+    with torch.device("meta"):
+        want = {f"app.model.{k}": tuple(v.shape) for k, v in TorchGPT(cfg.model_config()).state_dict().items()}
+    saved = {k: tuple(md.size) for k, md in read_metadata(steps[-1]).state_dict_metadata.items()
+             if k.startswith("app.model.") and hasattr(md, "size")}
+    diff = [f"{k} saved {list(saved.get(k, ())) or 'absent'} vs now {list(v)}" for k, v in want.items()
+            if saved.get(k) != v] + [f"{k} saved {list(v)} vs now absent" for k, v in saved.items() if k not in want]
+    if diff:
+        raise ConfigError(f"the checkpoint {steps[-1]} is of another model (and {cfg.ckpt_dir} has no {RUN_RECORD} to "
+                          f"say which): {len(diff)} tensor(s) differ, e.g. {'; '.join(diff[:3])}; resume with the "
+                          "model flags of the run that wrote it, or point --ckpt-dir at a new directory to start afresh")
+
+
+def preflight(args, world: int, local_ranks: int | None = None):
+    """Every check that needs no process group, in every worker alike (so all exit 2 together, rank 0 says
+    why in one line) or once in ``python -m course_lib.torchrun`` before any worker starts: flags, ranks on
+    this machine, folders, the checkpoint to resume. Returns the config; raises :class:`ConfigError`."""
+    from course_lib.launch.pool import max_world_size
+    from course_lib.runtime.devices import gpu_count
+    cfg = from_args(args, world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_ranks is None else local_ranks
+    check_ranks(local, max_world_size(), gpu_count())
+    check_paths(cfg)
+    if cfg.resume:
+        check_resume(cfg)
+        check_checkpoint_fits(cfg)
+    return cfg
+
+
+def parser(rank: int = 0) -> argparse.ArgumentParser:
     p = add_arguments(argparse.ArgumentParser(prog="python -m course_lib.train", description=__doc__.split("\n")[0]))
-    args = p.parse_args(argv)
+    return quiet_parser_errors(p, rank)
+
+
+def main(argv=None) -> int:
     world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    args = parser(rank_env).parse_args(argv)
     try:   # before any process group, model or data: every rank fails alike, rank 0 says why
-        cfg = from_args(args, world_env)
-        if cfg.resume:
-            check_resume(cfg)
+        cfg = preflight(args, world_env)
     except ConfigError as e:
         if rank_env == 0:
             print(f"course_lib.train: {e}", file=sys.stderr)
         return 2
+    from course_lib.strategies.checkpoint.manager import CheckpointWriteError   # imports no torch
+    try:
+        return _train(cfg)
+    except CheckpointWriteError as e:   # the start-up probe or a failed save: one line, not N tracebacks
+        if rank_env == 0:
+            print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
 
+
+def _train(cfg) -> int:
     import torch
     import torch.distributed as dist
     from tqdm.auto import tqdm
@@ -165,8 +219,15 @@ def main(argv=None) -> int:
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     model, opt, sched, data = build(cfg, device)
-    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep) if cfg.ckpt_dir else None
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, on_save_error="warn" if cfg.save_errors == "continue" else "raise") \
+        if cfg.ckpt_dir else None
     start = _resume(ckpt, model, opt, sched, data, rank, world) if (ckpt and cfg.resume) else 0
+    if ckpt and cfg.resume and rank == 0:
+        for line in ckpt.ignored():   # damaged or unfinished steps that were passed over, and why
+            print(f"course_lib.train: {line}", file=sys.stderr, flush=True)
+        if start == 0:
+            print(f"course_lib.train: no checkpoint in {cfg.ckpt_dir} yet: starting at step 0", file=sys.stderr,
+                  flush=True)
     if ckpt and rank == 0:
         write_run_record(cfg)
     log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None

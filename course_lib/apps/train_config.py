@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TrainConfig", "ConfigError", "add_arguments", "from_args", "check_resume", "write_run_record",
-           "RUN_RECORD", "MODEL_FIELDS"]
+__all__ = ["TrainConfig", "ConfigError", "add_arguments", "from_args", "check_resume", "check_paths", "check_ranks",
+           "write_run_record", "RUN_RECORD", "MODEL_FIELDS", "quiet_parser_errors"]
 
 RUN_RECORD = "run.json"   #: in the checkpoint directory: the configuration that wrote the checkpoints
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")  #: must match to resume
@@ -54,16 +54,21 @@ class TrainConfig:
     ckpt_every: int = 0           #: save every K steps (0: only at SIGTERM and at the end)
     keep: int = 2                 #: keep the newest K complete checkpoints
     resume: bool = False          #: start from the newest complete checkpoint in ckpt_dir
+    save_errors: str = "stop"     #: when a checkpoint save fails (a full disk): "stop" the run, or "continue" training
     jsonl: str | None = None      #: JSON-lines log (rank 0 / process 0); not --log: torchrun would take it
     throttle: float = 0.0         #: seconds of sleep per step (tests: leave time to kill a job mid-run)
 
     def __post_init__(self):
         ints = {k: getattr(self, k) for k in ("world_size", "replicate", "vocab_size", "seq_len", "d_model", "n_heads",
                                                "n_layers", "d_ff", "batch", "steps", "warmup", "keep")}
-        bad = {k: v for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-        neg = {k: getattr(self, k) for k in ("shard", "ckpt_every", "seed", "data_seed") if getattr(self, k) < 0}
-        if bad or neg:
-            raise ConfigError(f"these must be positive ints: {bad}; these non-negative: {neg}")
+        bad = [f"{_flag(k)} {v} must be a positive int (default {_default(k)})" for k, v in ints.items()
+               if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        bad += [f"{_flag(k)} {getattr(self, k)} must be >= 0 (default {_default(k)})"
+                for k in ("shard", "ckpt_every", "seed", "data_seed", "throttle") if getattr(self, k) < 0]
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            bad.append(f"--lr {self.lr} must be a positive learning rate (default {_default('lr')})")
+        if bad:
+            raise ConfigError("bad configuration, nothing was started: " + "; ".join(bad))
         if self.shard == 0:
             object.__setattr__(self, "shard", self.world_size // self.replicate or 1)
         errors = []
@@ -80,11 +85,13 @@ class TrainConfig:
         if self.d_model % self.n_heads:
             errors.append(f"d_model({self.d_model}) % n_heads({self.n_heads}) = {self.d_model % self.n_heads}: heads "
                           f"split d_model evenly; pick --n-heads from the divisors of {self.d_model}")
+        if self.save_errors not in ("stop", "continue"):
+            errors.append(f"--save-errors {self.save_errors!r} must be 'stop' or 'continue'")
         if (self.resume or self.ckpt_every) and not self.ckpt_dir:
             errors.append(f"resume={self.resume}, ckpt_every={self.ckpt_every} but no --ckpt-dir: say where "
                           "checkpoints live")
-        if errors:
-            raise ConfigError("bad configuration, nothing was started:\n  " + "\n  ".join(errors))
+        if errors:   # one line, every problem in it: each rank would print a multi-line one interleaved
+            raise ConfigError("bad configuration, nothing was started: " + "; ".join(errors))
 
     def model_config(self):
         from course_lib.models import GPTConfig
@@ -92,6 +99,56 @@ class TrainConfig:
 
     def record(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "WORLD_SIZE" if name == "world_size" else "--" + name.replace("_", "-")
+
+
+def _default(name: str):
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}.get(name)
+
+
+def check_paths(cfg) -> None:
+    """What the flags ask of the filesystem, before any rank starts: the ``--jsonl`` folder exists and is
+    writable, the checkpoint folder is writable (or can be created), and ``--resume`` names a folder that
+    exists -- a typo must not silently start afresh. ``cfg``: a :class:`TrainConfig` or the parsed flags (its
+    ``jsonl``, ``ckpt_dir``, ``resume``). Raises :class:`ConfigError` (one line)."""
+    import os
+    errors = []
+    if cfg.jsonl:
+        folder = Path(cfg.jsonl).resolve().parent
+        if not folder.is_dir():
+            errors.append(f"--jsonl {cfg.jsonl}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
+                          "or log elsewhere")
+        elif not os.access(folder, os.W_OK):
+            errors.append(f"--jsonl {cfg.jsonl}: the folder {folder} is not writable; log elsewhere")
+    if cfg.ckpt_dir:
+        root = Path(cfg.ckpt_dir)
+        if cfg.resume and not root.exists():
+            errors.append(f"--resume --ckpt-dir {cfg.ckpt_dir}: no such folder, so nothing to resume; check the path "
+                          f"(a typo would silently start afresh), or drop --resume (for a job that always passes "
+                          f"--resume, create the folder before its first launch: mkdir -p {cfg.ckpt_dir})")
+        elif root.exists() and not root.is_dir():
+            errors.append(f"--ckpt-dir {cfg.ckpt_dir} is a file, not a folder; point it at a folder")
+        else:
+            existing = next(p for p in [root, *root.resolve().parents] if p.exists())
+            if not os.access(existing, os.W_OK):
+                errors.append(f"--ckpt-dir {cfg.ckpt_dir}: {existing} is not writable (read-only?), so no checkpoint "
+                              "could be saved; point --ckpt-dir at a writable folder")
+    if errors:
+        raise ConfigError("bad configuration, nothing was started: " + "; ".join(errors))
+
+
+def check_ranks(local_ranks: int, limit: int, gpus: int) -> None:
+    """More ranks on this machine than it can run (``--nproc-per-node``): :class:`ConfigError`, one line."""
+    if gpus and local_ranks > gpus:
+        raise ConfigError(f"bad configuration, nothing was started: --nproc-per-node {local_ranks} but this machine "
+                          f"has {gpus} GPU(s): one rank per GPU; use --nproc-per-node {gpus}")
+    if not gpus and local_ranks > limit:
+        raise ConfigError(f"bad configuration, nothing was started: --nproc-per-node {local_ranks} is more ranks than "
+                          f"this machine can run ({limit}: each rank is a process of ~150 MB that gloo connects to "
+                          f"every other); use --nproc-per-node {min(limit, 8)} or fewer, or more nodes")
 
 
 def _field_help() -> dict[str, str]:
@@ -112,6 +169,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
             p.add_argument(flag, type=kind, default=f.default, help=f"{helps.get(f.name, '')} (default {f.default})")
+    return p
+
+
+def quiet_parser_errors(p: argparse.ArgumentParser, rank: int) -> argparse.ArgumentParser:
+    """argparse's own errors (an unknown flag, ``--steps abc``) in one line from rank 0 only, exit status 2 on
+    every rank: under torchrun every worker parses the same argv, and N usage blocks say nothing more."""
+    def error(message):
+        if rank == 0:
+            p.exit(2, f"{p.prog}: bad flags, nothing was started: {message} (see --help)\n")
+        p.exit(2)
+    p.error = error
     return p
 
 

@@ -31,7 +31,8 @@ import statistics
 import sys
 import time
 
-from course_lib.apps.train_config import ConfigError, add_arguments, check_resume, from_args, write_run_record
+from course_lib.apps.train_config import (ConfigError, add_arguments, check_paths, check_resume, from_args,
+                                          quiet_parser_errors, write_run_record)
 
 
 def _parser():
@@ -44,6 +45,9 @@ def _parser():
     return p
 
 
+PEER_TIMEOUT_S = 8   #: seconds without a heartbeat before a process is declared dead (jax.distributed)
+
+
 def _initialize(a) -> None:
     import jax
     if a.cpu_devices:
@@ -51,8 +55,13 @@ def _initialize(a) -> None:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if a.coordinator or (a.num_processes or 1) > 1 or "SLURM_JOB_ID" in os.environ:
+        import inspect
+        # A dead peer is noticed by the coordination service's heartbeat: JAX's default (100 s) left the survivor
+        # waiting ~94 s; PEER_TIMEOUT_S makes it seconds (a healthy process heartbeats every few seconds).
+        kw = {k: PEER_TIMEOUT_S for k in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds")
+              if k in inspect.signature(jax.distributed.initialize).parameters}
         jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                                   initialization_timeout=120)
+                                   initialization_timeout=120, **kw)
 
 
 def make_step(mesh, rule, bf16: bool, remat: bool):
@@ -87,12 +96,24 @@ def _peak_memory() -> int:
     return int(stats.get("peak_bytes_in_use") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def _process_id(argv) -> int:
+    """This process's id before argparse runs (for who prints argparse's error): --process-id or the env."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--process-id" in argv[:-1]:
+        try:
+            return int(argv[argv.index("--process-id") + 1])
+        except ValueError:
+            return 0
+    return int(os.environ.get("JAX_PROCESS_ID", 0) or 0)
+
+
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    a = quiet_parser_errors(_parser(), _process_id(argv)).parse_args(argv)
     nproc = a.num_processes or 1
     try:   # what the flags alone can check, before JAX starts (CPU: the device count is known)
         if a.cpu_devices:
             cfg = from_args(a, nproc * a.cpu_devices)
+        check_paths(a)   # the folders: --jsonl, --ckpt-dir, --resume
     except ConfigError as e:
         if not a.process_id:
             print(f"course_lib.train_jax: {e}", file=sys.stderr)

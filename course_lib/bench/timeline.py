@@ -1,6 +1,7 @@
 """A real timeline: ``torch.profiler`` around FSDP2 steps, a Chrome/Perfetto trace file, and what overlapped.
 
-    python -m course_lib bench timeline [--ranks 2] [--out /tmp/fsdp_trace.json]
+    python -m course_lib bench timeline [--ranks 2] [--width 128] [--layers 4] [--steps 2] [--prefetch ...]
+                                        [--out /tmp/fsdp_trace.json]
 
 :func:`profile_on_rank` runs FSDP2 training steps under ``torch.profiler.profile`` on every rank and writes
 rank 0's trace with ``export_chrome_trace`` -- a JSON file that https://ui.perfetto.dev (or
@@ -255,12 +256,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    ap.add_argument("--out", default="/tmp/fsdp_trace.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps (after one warm-up step)")
+    ap.add_argument("--prefetch", nargs="+", choices=PREFETCH, default=list(PREFETCH), help="which variants to run")
+    ap.add_argument("--out", default="/tmp/fsdp_trace.json", help="each variant writes OUT with _<prefetch> before .json")
     a = ap.parse_args(argv)
-    cfg = GPTConfig(vocab_size=67, seq_len=64, d_model=a.width, n_heads=4, n_layers=4, d_ff=4 * a.width)
-    for how in PREFETCH:
+    cfg = GPTConfig(vocab_size=67, seq_len=64, d_model=a.width, n_heads=4, n_layers=a.layers, d_ff=4 * a.width)
+    for how in a.prefetch:
         path = a.out.replace(".json", f"_{how}.json")
-        res = run(profile_on_rank, cfg, a.batch, 2, how, True, path, world_size=a.ranks, timeout=300)
+        res = run(profile_on_rank, cfg, a.batch, a.steps, how, True, path, world_size=a.ranks, timeout=300)
         s = OverlapStats(**res[0]["stats"])
         print(f"prefetch={how:<8} step {res[0]['step_s'] * 1e3:6.1f} ms: compute {s.compute_s * 1e3:6.1f} ms, comm "
               f"{s.comm_s * 1e3:6.1f} ms, overlapped {s.overlapped_s * 1e3:6.1f} ms ({s.overlap_fraction:.0%}), "

@@ -74,13 +74,21 @@ def _context():
     mode = os.environ.get("COURSE_LIB_PRELOAD", "full")
     if mode not in PRELOAD:
         raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of {sorted(PRELOAD)}")
-    ctx.set_forkserver_preload(PRELOAD[mode])
+    # Two stages (launch/preload.py): what the first collective needs before the first fork, the rest on a
+    # background thread of the server afterwards. The list reaches the server through its environment.
+    os.environ["COURSE_LIB_PRELOAD_REST"] = ",".join(PRELOAD[mode])
+    ctx.set_forkserver_preload(["course_lib.launch.preload"])
     return ctx
+
+
+_FORK_SERVER_ASKED = [None]  # wall time this process first asked for the fork server (cold-start breakdown)
 
 
 def _start_fork_server():
     """Start the fork server now (cheap if it runs): its imports then overlap with the notebook's."""
     import multiprocessing.forkserver
+    if _FORK_SERVER_ASKED[0] is None:
+        _FORK_SERVER_ASKED[0] = time.time()
     _context()
     multiprocessing.forkserver.ensure_running()
 
@@ -91,6 +99,7 @@ class _Pool:
         self.conns, self.procs, self._child_ends = [], [], []
         # Rendezvous through a file in a private directory: no socket at all, so nothing listens
         # beyond this machine (a TCPStore master binds every interface) and no name lookup.
+        t_pool = time.time()
         self.tmpdir = tempfile.mkdtemp(prefix="course_lib-store-")
         store_path = os.path.join(self.tmpdir, "store")
         ctx = _context()
@@ -106,10 +115,17 @@ class _Pool:
                 p.start()
                 self.procs.append(p)
                 child.close()
-            self._collect(lambda r, msg: msg[0] == "ready", start_timeout_s, what="start")
+            ready = self._collect(lambda r, msg: msg[0] == "ready", start_timeout_s, what="start")
         except BaseException:
             self.kill()
             raise
+        # Wall-clock milestones of this pool's start, for `bench launch`'s cold-start breakdown: the fork
+        # server asked for, this pool asked for, the first rank forked (the server had finished its imports),
+        # every rank through the rendezvous and init_process_group.
+        self.startup = {"fork_server_asked": _FORK_SERVER_ASKED[0] or t_pool, "pool_asked": t_pool,
+                        "first_rank_forked": min(m[2]["enter"] for m in ready.values()),
+                        "last_rank_forked": max(m[2]["enter"] for m in ready.values()),
+                        "all_ranks_ready": max(m[2]["ready"] for m in ready.values())}
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -408,6 +424,9 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
                 _POOLS[next(iter(_POOLS))].stop()
             pool = _Pool(world_size, b, pg_timeout_s=timeout, start_timeout_s=max(timeout, 60.0))
             _POOLS[key] = pool
+            out = pool.call(fn, args, kwargs, timeout)
+            out.startup = pool.startup  # this call started the ranks: how long each stage took
+            return out
         return pool.call(fn, args, kwargs, timeout)
     except KeyboardInterrupt:
         if pool is not None:

@@ -106,6 +106,8 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
     ``host`` is the path of the rendezvous file store when ``port`` is 0, else a TCP store's host.
     """
     global _RANK_INFO
+    import time
+    t_enter = time.time()  # wall clock: the pool compares it with its own (cold-start breakdown)
     try:  # die with the fork server / notebook: no orphans even after a kernel crash
         import ctypes
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -143,7 +145,7 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         dist.init_process_group(name, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         starting.set()
-        conn.send(("ready", rank))
+        conn.send(("ready", rank, {"enter": t_enter, "ready": time.time()}))
     except BaseException as exc:
         conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
         os._exit(1)

@@ -30,3 +30,5 @@ class RunResult(list):
     ledger: Ledger
     seconds: float
     backend: str
+    #: wall-clock milestones of the rank processes' start when this call started them, else None
+    startup: dict | None = None

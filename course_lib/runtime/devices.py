@@ -28,8 +28,7 @@ def _version_tuple(v: str) -> tuple[int, int]:
 def check_torch_version(version: str | None = None) -> str:
     """Return torch's version, or raise if FSDP2 on gloo cannot be trusted with it."""
     if version is None:
-        import torch
-        version = torch.__version__
+        version = _installed_torch_version()
     if _version_tuple(version) < MIN_TORCH:
         raise RuntimeError(
             f"torch {version} is too old for this course: it needs torch >= "
@@ -40,8 +39,28 @@ def check_torch_version(version: str | None = None) -> str:
     return version
 
 
+def _installed_torch_version() -> str:
+    """torch's version without importing torch when it is not imported yet (1-2 s saved on a cold start)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    from importlib import metadata
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        import torch  # an unusual install (a source build on sys.path): ask torch itself
+        return torch.__version__
+
+
+def _no_gpu_device_nodes() -> bool:
+    """True when the kernel exposes no NVIDIA or AMD GPU at all: then torch need not be imported to know."""
+    import glob
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
+
+
 def gpu_count() -> int:
     """CUDA GPUs visible to this process, without initialising CUDA (safe before forking)."""
+    if "torch" not in sys.modules and sys.platform == "linux" and _no_gpu_device_nodes():
+        return 0  # the launcher's cold start stays free of a torch import in the notebook process
     try:
         import torch
         # device_count() uses NVML where it can and does not create a CUDA context.

@@ -12,6 +12,14 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
   every file it names exists and is long enough, and that every byte still has the CRC recorded at
   commit. Errors name the file and what is wrong: DCP itself would fail on a truncated file with an
   unpickling error, and would load a corrupted one silently.
+* **no commit record, no checkpoint** -- a step directory whose ``COMMIT.json`` is missing, truncated or names
+  another step is never loaded, whatever its data files hold; :meth:`Checkpointer.latest` passes over it to the
+  previous good step and :meth:`Checkpointer.ignored` says why.
+* **fail before training, fail once** -- at construction every rank writes a small probe file: a read-only,
+  missing or full folder is one :class:`CheckpointWriteError` before any step runs. A save that fails on the
+  disk (no space, read-only) removes its ``.partial`` directory and raises one :class:`CheckpointWriteError`
+  naming the cause and the last good step -- or, with ``on_save_error="warn"``, prints that line and lets
+  training go on. A crash (a killed rank) leaves its ``.partial`` for :meth:`Checkpointer.incomplete` to name.
 * **keep the last K** -- only after a successful commit (a failed save deletes nothing), the newest K
   steps that verify are kept and every other step is deleted: a damaged newer step never costs an
   older good one.
@@ -19,6 +27,9 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
   it needs a CPU-capable group, and its collectives (run in a background thread) must not interleave
   with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
   commits.
+
+Longer than ~300 lines: the life cycle of a step (write, commit, verify, prune, load) and each of its failure
+paths (a crash, a damaged commit record, a full or read-only disk) read best in one place.
 
 Reusable by a training script: ``ckpt = Checkpointer(root, keep=2)`` on every rank, then
 ``ckpt.save(step, {"app": AppState(model, opt, sched, data)})`` and, at start-up,
@@ -34,7 +45,8 @@ from pathlib import Path
 
 from course_lib.strategies.checkpoint.torch import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
 
-__all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "verify", "crc32_file", "step_dir", "COMMIT_FILE"]
+__all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointWriteError", "verify", "read_commit",
+           "crc32_file", "step_dir", "COMMIT_FILE"]
 
 COMMIT_FILE = "COMMIT.json"   #: written last inside the directory, just before the rename that commits it
 PARTIAL = ".partial"          #: suffix of a directory being written (or abandoned by a crash)
@@ -43,6 +55,12 @@ _CHUNK = 1 << 20              # CRC in 1 MiB pieces: a checkpoint file may not f
 
 class CheckpointCorrupt(RuntimeError):
     """A checkpoint directory that must not be loaded; the message names the file and what is wrong."""
+
+
+class CheckpointWriteError(OSError):
+    """Checkpoints cannot be written where asked (read-only, full, missing): one line naming the folder, the
+    cause and the fix. Raised by the start-up probe, before any training time is spent, or by a failed save
+    (whose ``.partial`` directory is removed first)."""
 
 
 def crc32_file(path) -> int:
@@ -59,14 +77,37 @@ def step_dir(root, step: int, partial: bool = False) -> Path:
     return Path(root) / (f"step_{step:08d}" + (PARTIAL if partial else ""))
 
 
-def verify(path, *, crc: bool = True) -> dict:
+def read_commit(path) -> dict | None:
+    """The commit record of a step directory (None when it has none); :class:`CheckpointCorrupt` naming the
+    file when it is there but unreadable, truncated or not a commit record of this step."""
+    f = Path(path) / COMMIT_FILE
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text())
+        files = record["files"]
+        if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
+            raise ValueError("'files' is not a map of name -> [size, crc]")
+    except Exception as e:  # noqa: BLE001 - JSONDecodeError, KeyError, TypeError: all mean "damaged"
+        raise CheckpointCorrupt(f"{f} is damaged ({type(e).__name__}: {e}): the commit record of this step "
+                                "cannot be trusted, so neither can the step") from None
+    name = Path(path).name
+    if name.startswith("step_") and name[5:].isdigit() and record.get("step") != int(name[5:]):
+        raise CheckpointCorrupt(f"{f} records step {record.get('step')!r}, but the directory is step "
+                                f"{int(name[5:])}: a commit record copied from another step or run")
+    return record
+
+
+def verify(path, *, crc: bool = True, committed: bool = True) -> dict:
     """Raise :class:`CheckpointCorrupt` unless the DCP checkpoint at ``path`` is complete and intact.
 
-    Checks, naming the first bad file: ``.metadata`` present (else the save never finished); every file
-    the metadata points into present and at least as long as the furthest byte it needs (else truncated);
-    and, when ``COMMIT.json`` is there, every file's size and CRC-32 as recorded at commit (else the
-    bytes changed after the save; skipped with ``crc=False``). Returns the commit record (``{}`` for an
-    uncommitted directory)."""
+    Checks, naming the first bad file: ``.metadata`` present (else the save never finished); ``COMMIT.json``
+    present and readable (else the step was never committed -- a deleted commit record means "not a
+    checkpoint", whatever the data files say; ``committed=False`` checks an uncommitted directory);
+    ``.metadata`` as recorded at commit (else it was replaced, e.g. by another run's); every file the
+    metadata points into present and at least as long as the furthest byte it needs (else truncated); every
+    file's size and CRC-32 as recorded at commit (else the bytes changed after the save; CRCs skipped with
+    ``crc=False``). Returns the commit record (``{}`` for an uncommitted directory)."""
     path, check_crc = Path(path), crc
     try:
         meta = read_metadata(path)
@@ -75,6 +116,16 @@ def verify(path, *, crc: bool = True) -> dict:
     except Exception as e:  # noqa: BLE001 - an unreadable .metadata is as bad as a missing one
         raise CheckpointCorrupt(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e}); "
                                 "the file is truncated or corrupted") from None
+    record = read_commit(path)
+    if record is None and committed:
+        raise CheckpointCorrupt(f"{path / COMMIT_FILE} is missing: this step was never committed (a save that "
+                                "crashed before its commit, or a deleted commit record), so it is not a checkpoint")
+    if record and ".metadata" in record["files"]:
+        size, want = record["files"][".metadata"]
+        m = path / ".metadata"
+        if m.stat().st_size != size or (check_crc and crc32_file(m) != want):
+            raise CheckpointCorrupt(f"{m} is not the .metadata this step was committed with (size or CRC-32 "
+                                    "differ): replaced after the save, e.g. by another run's or another step's")
     need: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -85,10 +136,8 @@ def verify(path, *, crc: bool = True) -> dict:
         if (size := f.stat().st_size) < end:
             raise CheckpointCorrupt(f"{f} is truncated: {size:,} bytes on disk, but .metadata needs bytes up to "
                                     f"{end:,}")
-    commit_file = path / COMMIT_FILE
-    if not commit_file.is_file():
+    if record is None:
         return {}
-    record = json.loads(commit_file.read_text())
     for name, (size, crc) in sorted(record["files"].items()):
         f = path / name
         if not f.is_file():
@@ -106,23 +155,57 @@ class Checkpointer:
 
     Construct on every rank (it creates its own gloo group, a collective). ``group``: the ranks that save
     together (default: all). Every method that writes or reads is collective over them.
+
+    ``probe`` (default on): at construction every rank writes, syncs and deletes a small file in ``root``, so a
+    read-only, missing or full checkpoint folder is one :class:`CheckpointWriteError` before training starts,
+    not a DCP traceback at the first save. ``on_save_error``: ``"raise"`` (default) or ``"warn"`` -- print one
+    line and keep training (the run goes on with the previous checkpoint as its last good one). Either way a
+    failed save's ``.partial`` directory is removed.
     """
 
-    def __init__(self, root, keep: int = 2, *, group=None):
+    def __init__(self, root, keep: int = 2, *, group=None, probe: bool = True, on_save_error: str = "raise"):
         import torch.distributed as dist
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1: the newest good checkpoint is never deleted")
-        self.root, self.keep, self._pending = Path(root), keep, None
+        if on_save_error not in ("raise", "warn"):
+            raise ValueError(f"on_save_error={on_save_error!r} must be 'raise' or 'warn'")
+        self.root, self.keep, self._pending, self.on_save_error = Path(root), keep, None, on_save_error
+        self.skipped: dict[int, str] = {}   #: steps latest() passed over, and why (filled by latest())
         self.distributed = dist.is_initialized()
         ranks = None if group is None else dist.get_process_group_ranks(group)
         # async_save asserts a CPU-capable group, and runs collectives from a background thread: its own
         # gloo group keeps them apart from the training's (interleaved collectives deadlock or mix data)
         self.group = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
         self.rank = dist.get_rank(self.group) if self.distributed else 0
-        if self.rank == 0:
+        if probe:
+            self.probe()
+        elif self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
-    # -- what is on disk --------------------------------------------------------------------------------
+    def probe(self, nbytes: int = 1 << 16) -> None:
+        """Every rank writes ``nbytes`` into ``root``, syncs and deletes it; any failure on any rank raises
+        :class:`CheckpointWriteError` on every rank (none is left waiting in a later collective)."""
+        err = None
+        try:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+            self._barrier()
+            f = self.root / f".write-probe-{self.rank}-{os.getpid()}"
+            try:
+                with open(f, "wb") as fh:
+                    fh.write(os.urandom(nbytes))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            finally:
+                f.unlink(missing_ok=True)
+        except OSError as e:
+            err = f"{type(e).__name__}: {e.strerror or e}"
+        bad = [(r, e) for r, e in enumerate(self._gather(err)) if e]
+        if bad:
+            r, e = bad[0]
+            where = f" (rank {r})" if self.distributed else ""
+            raise CheckpointWriteError(f"cannot write checkpoints to {self.root}{where}: {e}. Fix: point the "
+                                       "checkpoint folder at a writable directory with free space")    # -- what is on disk --------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, oldest first (``.partial`` directories are not checkpoints)."""
         if not self.root.is_dir():
@@ -135,34 +218,71 @@ class Checkpointer:
         return sorted(p for p in self.root.glob(f"step_*{PARTIAL}")) if self.root.is_dir() else []
 
     def latest(self) -> int | None:
-        """The newest committed step that passes :func:`verify`, or None."""
+        """The newest committed step that passes :func:`verify`, or None. The newer steps it passed over are
+        in :attr:`skipped` with the reason (see :meth:`ignored`)."""
+        self.skipped = {}
         for step in reversed(self.steps()):
             try:
                 verify(step_dir(self.root, step))
                 return step
-            except CheckpointCorrupt:
-                continue
+            except CheckpointCorrupt as e:
+                self.skipped[step] = str(e)
         return None
+
+    def ignored(self) -> list[str]:
+        """One line per directory :meth:`latest` did not use: damaged or uncommitted steps newer than the
+        one chosen, and saves that never committed (``.partial``). For a trainer to print at resume."""
+        lines = [f"skipped step {s}: {why}" for s, why in sorted(self.skipped.items())]
+        return lines + [f"ignored {p}: an unfinished save (never committed)" for p in self.incomplete()]
 
     # -- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, state: dict, *, blocking: bool = True) -> None:
         """Write ``state`` as step ``step``; commit now (``blocking``) or in :meth:`wait` (async).
         Blocking time of an async save: staging, i.e. copying every tensor once, in this thread."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         self.wait()                                        # one save in flight at a time
         tmp = step_dir(self.root, step, partial=True)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)         # debris of an earlier crash at the same step
         self._barrier()
         kw = {"checkpoint_id": os.fspath(tmp), "process_group": self.group, "no_dist": not self.distributed}
-        with quiet_single_process():
-            if blocking:
-                dcp.save(state, **kw)
-                self._pending = (step, None)
-            else:
-                self._pending = (step, dcp.async_save(state, **kw))
+        try:
+            with quiet_single_process():
+                if blocking:
+                    dcp.save(state, **kw)
+                    self._pending = (step, None)
+                else:
+                    self._pending = (step, dcp.async_save(state, **kw))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure: all ranks
+            return self._failed(step, e)                # are here (CheckpointException is a BaseException)
         if blocking:
-            self.wait()
+            return self.wait() is not None
+        return True
+
+    def _failed(self, step: int, exc: BaseException) -> bool:
+        """A save failed on some rank (DCP raises on all): remove its ``.partial`` directory, then raise one
+        :class:`CheckpointWriteError` or, with ``on_save_error="warn"``, print one line and return False."""
+        self._pending = None
+        cause, storage = _root_cause(exc)
+        try:   # torch.save reports a full disk as "unexpected pos ...": say what it means
+            free = shutil.disk_usage(self.root).free
+            if free < (1 << 20):
+                cause, storage = cause + f" -- the disk is full ({free:,} bytes free)", True
+        except OSError:
+            pass
+        if not storage:   # not the disk: a peer died or the group broke -- the launcher's business; the
+            raise exc     # .partial stays for incomplete() to name, like any crash's
+        shutil.rmtree(step_dir(self.root, step, partial=True), ignore_errors=True)
+        last = self.steps()
+        msg = (f"saving step {step} to {self.root} failed: {cause}; its partial directory was removed, the last "
+               f"complete checkpoint is {'step ' + str(last[-1]) if last else 'none'}")
+        if self.on_save_error == "warn":
+            if self.rank == 0:
+                import sys
+                print(f"warning: {msg}; training goes on (on_save_error='warn')", file=sys.stderr, flush=True)
+            return False
+        raise CheckpointWriteError(msg + ". Fix: free space or make the folder writable, then --resume") from exc
 
     @property
     def in_flight(self):
@@ -170,14 +290,20 @@ class Checkpointer:
         return None if self._pending is None else self._pending[1]
 
     def wait(self) -> int | None:
-        """Finish the save in flight (if any): wait for its files, commit, prune. Returns its step."""
+        """Finish the save in flight (if any): wait for its files, commit, prune. Returns its step (None
+        when nothing was in flight or, with ``on_save_error="warn"``, when the save failed)."""
         if self._pending is None:
             return None
         step, future = self._pending
         self._pending = None
-        if future is not None:
-            future.result()                                # every rank's file and .metadata are written
-        self._commit(step)
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            if future is not None:
+                future.result()                            # every rank's file and .metadata are written
+            self._commit(step)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - e.g. no space left for COMMIT.json
+            self._failed(step, e)
+            return None
         self._prune()
         return step
 
@@ -186,24 +312,33 @@ class Checkpointer:
         mine = {f.name: [f.stat().st_size, crc32_file(f)] for f in tmp.iterdir()
                 if f.name.startswith(f"__{self.rank}_")}  # each rank checksums the file it wrote
         every = self._gather(mine)
+        err = None
         if self.rank == 0:
-            files = {k: v for d in every for k, v in d.items()}
-            files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
-            record = {"step": step, "world_size": len(every), "files": files}
-            with open(tmp / COMMIT_FILE, "w") as f:
-                json.dump(record, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            final = step_dir(self.root, step)
-            if final.exists():                             # saving a step again replaces it
-                shutil.rmtree(final)
-            os.rename(tmp, final)                          # the commit: atomic on one filesystem
-            fd = os.open(self.root, os.O_RDONLY)
             try:
-                os.fsync(fd)                               # make the rename itself durable
-            finally:
-                os.close(fd)
-        self._barrier()
+                self._write_commit(tmp, step, every)
+            except OSError as e:
+                err = e
+        err = self._from_rank0(err)                        # every rank fails alike, none waits in a barrier
+        if err is not None:
+            raise err
+
+    def _write_commit(self, tmp: Path, step: int, every: list) -> None:
+        files = {k: v for d in every for k, v in d.items()}
+        files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
+        record = {"step": step, "world_size": len(every), "files": files}
+        with open(tmp / COMMIT_FILE, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        final = step_dir(self.root, step)
+        if final.exists():                             # saving a step again replaces it
+            shutil.rmtree(final)
+        os.rename(tmp, final)                          # the commit: atomic on one filesystem
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)                               # make the rename itself durable
+        finally:
+            os.close(fd)
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` steps that verify; delete every other committed step. Verified by sizes
@@ -284,3 +419,21 @@ class Checkpointer:
             import torch.distributed as dist
             dist.barrier(group=self.group)
 
+
+
+def _root_cause(exc: BaseException) -> tuple[str, bool]:
+    """The first real error inside DCP's ``CheckpointException`` (it wraps every rank's), in one line, and
+    whether it is the storage's (an ``OSError`` that is not a broken connection)."""
+    failures = getattr(exc, "failures", None) or {}
+    for _, f in sorted(failures.items()):
+        inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)   # (exception, stack) per rank
+        if isinstance(inner, BaseException):
+            exc = inner
+            break
+    seen = exc
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    storage = isinstance(seen, OSError) and not isinstance(seen, ConnectionError)
+    if isinstance(seen, OSError) and seen.strerror:
+        return f"{type(seen).__name__}: {seen.strerror}" + (f" ({seen.filename})" if seen.filename else ""), storage
+    return f"{type(seen).__name__}: {str(seen).splitlines()[0] if str(seen) else ''}", storage

@@ -168,17 +168,22 @@ def check_compatible(state: dict, path, *, strict: bool = True) -> None:
     shapes = [f"{k}: checkpoint {list(saved[k].size)}, now {list(v.shape)}" for k, v in want.items()
               if k in saved and isinstance(saved[k], TensorStorageMetadata) and hasattr(v, "shape")
               and tuple(saved[k].size) != tuple(v.shape)]
+    dtypes = [f"{k}: checkpoint {saved[k].properties.dtype}, now {v.dtype}" for k, v in want.items()
+              if k in saved and isinstance(saved[k], TensorStorageMetadata) and hasattr(v, "dtype")
+              and tuple(saved[k].size) == tuple(getattr(v, "shape", ())) and saved[k].properties.dtype != v.dtype]
     prefixes = {".".join(k.split(".")[:2]) + "." for k in want if ".rng." not in f".{k}"}  # app.model., app.optim.
     extra = sorted(k for k, md in saved.items() if k not in want and isinstance(md, TensorStorageMetadata)
                    and k.startswith(tuple(prefixes))) if strict else []  # tensors only: groups' extra keys are fine
-    if missing or shapes or extra:
+    if missing or shapes or extra or dtypes:
         parts = [f"{len(shapes)} shape mismatch(es): " + "; ".join(shapes[:4]) + (" ..." if len(shapes) > 4 else "")] \
             if shapes else []
+        parts += [f"{len(dtypes)} dtype mismatch(es): " + "; ".join(dtypes[:4]) + (" ..." if len(dtypes) > 4 else "")] \
+            if dtypes else []
         parts += [f"missing from the checkpoint: {missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8
                                                                    else "")] if missing else []
         parts += [f"in the checkpoint but not in this model: {extra[:8]}" + (
             f" and {len(extra) - 8} more" if len(extra) > 8 else "")] if extra else []
-        rng_only = not shapes and not extra and all("rng." in k for k in missing)
+        rng_only = not shapes and not extra and not dtypes and all("rng." in k for k in missing)
         fix = ("the RNG state is per rank and this world size has ranks the checkpoint never had: load "
                "without it (AppState(..., rng=False)) and seed the new ranks" if rng_only else
                "build the model from the config it was saved with")

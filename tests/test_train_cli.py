@@ -1,0 +1,176 @@
+"""The capstone's command line under bad input and signals: every flag checked before any rank starts, one
+line naming the value and the fix, printed once; SIGTERM to the launcher saves, resumes exactly and exits
+143 without a traceback; a JAX process whose peer dies stops within seconds, naming the dead task.
+
+``python -m course_lib.torchrun`` (torchrun with the capstone's flags checked in the launching process) is
+called in-process for the bad-input cases: they must stop before torchrun starts anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from course_lib.apps import torchrun
+from course_lib.apps.train_config import RUN_RECORD, TrainConfig, write_run_record
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+for k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES"):
+    ENV.pop(k, None)
+TORCHRUN = ["--standalone", "--nproc-per-node", "2", "-m", "course_lib.train"]
+SMALL = ["--steps", "8", "--batch", "8", "--n-layers", "2"]
+
+
+@contextlib.contextmanager
+def read_only_folder(path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only tmpfs (root writes through permission bits)")
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def one_layer_ckpt(tmp_path_factory):
+    """A real DCP checkpoint of a 1-layer model (one process, 1 step); its run.json is removed by the tests that
+    need a folder without one."""
+    ck = tmp_path_factory.mktemp("other") / "ck"
+    subprocess.run([sys.executable, "-m", "course_lib.train", "--steps", "1", "--batch", "4", "--n-layers", "1",
+                    "--ckpt-dir", str(ck)], env=ENV, cwd=REPO, check=True, capture_output=True, timeout=300)
+    return ck
+
+
+def _bad(capfd, argv, *needles):
+    assert torchrun.main(TORCHRUN + argv) == 2
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err                   # exactly one line, once: no rank started, no ChildFailedError
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--lr", "-1"], ["--lr -1.0 must be a positive learning rate (default 0.003)"]),
+    (["--steps", "-3", "--keep", "-1"], ["--steps -3 must be a positive int (default 20)", "--keep -1 must be"]),
+    (["--jsonl", "/nonexistent-folder/log.jsonl"], ["the folder /nonexistent-folder does not exist",
+                                                    "mkdir -p /nonexistent-folder"]),
+    (["--strategy", "zero9"], ["unrecognized arguments: --strategy zero9 (see --help)"]),
+    (["--d-model", "x"], ["argument --d-model: invalid int value: 'x'"]),
+], ids=["negative-lr", "negative-steps-keep", "jsonl-missing-folder", "unknown-strategy", "bad-int"])
+def test_bad_flags_are_one_line_before_any_rank(capfd, argv, needles):
+    _bad(capfd, argv, *needles)
+
+
+def test_resume_from_a_folder_that_does_not_exist_is_refused(capfd, tmp_path):
+    _bad(capfd, ["--resume", "--ckpt-dir", str(tmp_path / "typo")],
+         f"--resume --ckpt-dir {tmp_path / 'typo'}: no such folder, so nothing to resume")
+
+
+def test_a_read_only_checkpoint_folder_is_refused(capfd, tmp_path):
+    with read_only_folder(tmp_path / "ro") as ro:
+        _bad(capfd, ["--ckpt-dir", str(ro / "ck")], f"--ckpt-dir {ro / 'ck'}: {ro} is not writable")
+
+
+def test_more_ranks_than_this_machine_runs(capfd, monkeypatch):
+    monkeypatch.setenv("COURSE_LIB_MAX_WORLD_SIZE", "3")
+    monkeypatch.setattr("course_lib.runtime.devices.gpu_count", lambda: 0)
+    assert torchrun.main(["--standalone", "--nproc-per-node", "4", "-m", "course_lib.train", "--batch", "8"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--nproc-per-node 4 is more ranks than this machine can run (3" in err, err
+
+
+def test_another_models_checkpoint_with_and_without_its_run_record(capfd, one_layer_ckpt, tmp_path):
+    line = _bad(capfd, ["--resume", "--ckpt-dir", str(one_layer_ckpt), "--n-layers", "2", "--batch", "4"],
+                "n_layers saved 1 vs now 2", "--n-layers 1")
+    bare = tmp_path / "bare"
+    import shutil
+    shutil.copytree(one_layer_ckpt, bare)
+    (bare / RUN_RECORD).unlink()
+    line = _bad(capfd, ["--resume", "--ckpt-dir", str(bare), "--n-layers", "2", "--d-ff", "200", "--batch", "4"],
+                "is of another model (and", f"has no {RUN_RECORD} to say which)", "app.model.blocks.0.mlp.fc.weight "
+                "saved [198, 66] vs now [200, 66]", "15 tensor(s) differ", "point --ckpt-dir at a new directory")
+    assert "Traceback" not in line
+
+
+def test_under_plain_torchrun_only_rank_0_speaks(tmp_path):
+    """Each worker checks again (plain torchrun has no parent-side check): rank 0 prints the line, the others
+    exit with the same status in silence. torchrun's own ChildFailedError summary follows (torchrun's code)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run"] + TORCHRUN + ["--lr", "-1"], env=ENV,
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.count("--lr -1.0 must be a positive learning rate") == 1, out.stderr
+    assert out.stderr.count("exitcode  : 2") == 2            # both ranks, same status (torchrun's report)
+    assert out.stderr.split("\n")[0].startswith("course_lib.train: bad configuration")   # ours comes first
+
+
+def _curve(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if "step" in r}
+
+
+def _launch(extra, **kw):
+    return subprocess.Popen([sys.executable, "-m", "course_lib.torchrun"] + TORCHRUN + SMALL + extra, env=ENV,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_agent_saves_resumes_exactly_and_exits_143(tmp_path):
+    """`python -m course_lib.torchrun` is the agent here: SIGTERM to it reaches the workers (torchrun forwards
+    it), they save at the end of the step and leave; the agent exits 143, no traceback; --resume is exact."""
+    ref = _launch(["--jsonl", str(tmp_path / "ref.jsonl")])
+    assert ref.wait(timeout=180) == 0, ref.stderr.read()[-3000:]
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    agent = _launch(["--ckpt-dir", str(ck), "--jsonl", str(log), "--throttle", "0.5"])
+    try:
+        t0 = time.monotonic()
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert agent.poll() is None and time.monotonic() - t0 < 120, agent.stderr.read()[-3000:]
+            time.sleep(0.1)
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert agent.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGTERM" in err, err[-3000:]
+    saved = sorted(p.name for p in ck.glob("step_*"))
+    assert saved and not any(p.endswith(".partial") for p in saved) and "step_00000008" not in saved, saved
+    again = _launch(["--ckpt-dir", str(ck), "--jsonl", str(log), "--resume"])
+    assert again.wait(timeout=180) == 0, again.stderr.read()[-3000:]
+    assert _curve(log) == _curve(tmp_path / "ref.jsonl")
+    assert subprocess.run(["pgrep", "-f", str(ck)], capture_output=True).stdout == b""   # no worker left behind
+
+
+@pytest.mark.slow
+def test_jax_survivor_of_a_dead_peer_stops_within_15_s_naming_it(tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_train_jax import start
+    log = tmp_path / "log.jsonl"
+    procs = start(["--steps", "200", "--throttle", "0.2", "--jsonl", str(log)])
+    try:
+        t0 = time.monotonic()
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert time.monotonic() - t0 < 120 and all(p.poll() is None for p in procs), "no progress"
+            time.sleep(0.1)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode != 0 and took < 15, (took, err[-2000:])
+    assert "stopped sending heartbeats" in err and "another task died" in err, err[-2000:]
