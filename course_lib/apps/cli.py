@@ -5,6 +5,7 @@
     run-solutions   execute every solution (or ``--labs``) headless; print a one-screen table
     doctor          versions, cores, GPUs, the backend 4 ranks would use, JAX's devices
     bench WHAT      run ``course_lib.bench.<WHAT>.main(argv)`` (``step-time`` -> ``bench/step_time.py``)
+    grade PATHS     grade learners' labs with the course's checks (:mod:`course_lib.apps.grade`)
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", help=f"one of: {', '.join(bench_modules()) or 'none yet'}")
     s.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     s.set_defaults(func=cmd_bench)
+
+    from course_lib.apps import grade
+    grade.add_parser(sub, root)
     return p
 
 
