@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nbformat
+
 __all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "TAG_VAR", "TIMEOUT_ENAME"]
 
 TAG_VAR = "COURSE_LIB_GRADE_TAG"
@@ -171,21 +173,28 @@ async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
     client = NotebookClient(
         nb, kernel_manager_class=_kernel_manager_class(limits, sockets), kernel_name="python3",
         timeout_func=cell_timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
-        error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "the cell ran past its time limit and was interrupted",
-                          "traceback": []},
+        error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "interrupted at the cell limit", "traceback": []},
         shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}})
     kernel_pid: list[int | None] = [None]
 
     async def execute():
         async with client.async_setup_kernel(env=_environment(scratch, tag)):
             kernel_pid[0] = getattr(getattr(client.km, "provisioner", None), "pid", None)
-            for index, cell in enumerate(client.nb.cells):
-                if time.monotonic() > deadline:
-                    raise asyncio.TimeoutError
-                await client.async_execute_cell(cell, index)
-                if any(o.get("ename") == TIMEOUT_ENAME for o in cell.get("outputs", []) if o.get("output_type") == "error"):
-                    out.timed_out_cells.append(index)
-            out.processes = len(tagged_processes(tag, kernel_pid[0]))
+            try:
+                for index, cell in enumerate(client.nb.cells):
+                    if time.monotonic() >= deadline - 1:
+                        raise asyncio.TimeoutError
+                    allowed, t0 = cell_timeout(cell), time.monotonic()
+                    await client.async_execute_cell(cell, index)
+                    if cell.cell_type == "code" and time.monotonic() - t0 >= allowed:   # nbclient interrupted it
+                        out.timed_out_cells.append(index)
+                        cell.outputs.insert(0, nbformat.v4.new_output(
+                            "error", ename=TIMEOUT_ENAME, traceback=[],
+                            evalue=f"ran past the cell limit ({allowed} s) and was interrupted"))
+                        if allowed < limits.cell_s:          # the notebook's limit, not the cell's, cut it short
+                            raise asyncio.TimeoutError
+            finally:       # counted while the kernel still runs (before the context shuts it down)
+                out.processes = len(tagged_processes(tag, kernel_pid[0]))
 
     try:
         await asyncio.wait_for(execute(), timeout=limits.notebook_s + 10)
@@ -195,8 +204,6 @@ async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
         out.stopped = "the kernel died (out of memory, a crash, or os._exit)"
     except Exception as exc:  # a kernel that would not start, ...
         out.stopped = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    if not out.processes:
-        out.processes = len(tagged_processes(tag, kernel_pid[0]))
     out.leftovers = end_processes(tag, kernel_pid[0])
     out.seconds = time.monotonic() - start
     return out
