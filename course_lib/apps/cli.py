@@ -7,6 +7,7 @@
     doctor          versions, cores, GPUs, the backend 4 ranks would use, JAX's devices
     bench WHAT      run ``course_lib.bench.<WHAT>.main(argv)`` (``step-time`` -> ``bench/step_time.py``)
     grade PATHS     grade learners' labs with the course's checks (:mod:`course_lib.apps.grade`)
+    site            the course as a static website (:mod:`course_lib.apps.site`)
 """
 from __future__ import annotations
 
@@ -159,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     s.set_defaults(func=cmd_bench)
 
-    from course_lib.apps import grade
+    from course_lib.apps import grade, site
     grade.add_parser(sub, root)
+    site.add_parser(sub, root)
     return p
 
 
