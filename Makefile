@@ -13,7 +13,7 @@ PIP_FILTER := 2> >(grep -v 'is ignored' >&2)
 # Which course_lib/bench_<WHAT>.py `make bench` runs.
 WHAT ?= launch
 
-.PHONY: lab test solutions labs doctor install bench clean system-deps
+.PHONY: lab test solutions labs doctor install bench clean system-deps site
 
 # constraints.txt is the tested set (pip freeze of the venv the suite passed in): a fresh install
 # reproduces it instead of taking whatever the index serves that day.
@@ -56,6 +56,11 @@ solutions: $(STAMP)
 labs: $(STAMP)
 	$(PY) -m course_lib make-labs
 
+# The course as a static website in site/: each solution with its outputs, a syllabus, the labs to download
+# (nbconvert and a generated index: course_lib/apps/site.py). Open site/index.html, or copy site/ to any host.
+site: $(STAMP)
+	$(PY) -m course_lib site
+
 doctor: $(STAMP)
 	$(PY) -m course_lib doctor
 
@@ -63,4 +68,4 @@ bench: $(STAMP)
 	$(PY) -m course_lib bench $(WHAT)
 
 clean:
-	rm -rf $(VENV) test-artifacts .pytest_cache
+	rm -rf $(VENV) test-artifacts .pytest_cache site

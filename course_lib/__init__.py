@@ -35,8 +35,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun_demo, grade (grade a class's labs) with grade_intake
                (submissions, learner names, refusals), grade_sandbox (one kernel in a box: limits, every
-               process ended), grade_limits (the kernel's rlimit wrapper), grade_report (table, CSV, HTML)
-                 <- everything
+               process ended), grade_limits (the kernel's rlimit wrapper), grade_report (table, CSV, HTML),
+               site (the course as a static website)                                         <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
 ``train``, ``train_jax``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``

@@ -7,7 +7,8 @@
 * :mod:`~course_lib.apps.torchrun_demo` -- a data-parallel all-reduce under ``torchrun``, its ledger checked;
 * :mod:`~course_lib.apps.grade` -- ``python -m course_lib grade``: a class's labs graded with the course's checks
   (:mod:`~course_lib.apps.grade_intake`, :mod:`~course_lib.apps.grade_sandbox`,
-  :mod:`~course_lib.apps.grade_limits`, :mod:`~course_lib.apps.grade_report`).
+  :mod:`~course_lib.apps.grade_limits`, :mod:`~course_lib.apps.grade_report`);
+* :mod:`~course_lib.apps.site` -- ``python -m course_lib site`` (``make site``): the course as a static website.
 
 ``python -m course_lib.train``, ``.train_jax`` and ``.torchrun_demo`` are thin aliases of these, so the
 commands in the README and the labs stay short.

@@ -33,7 +33,7 @@ _TEMPLATE = """{%- extends 'index.html.j2' -%}
 {%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
 {%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
 {% block jupyter_widgets %}{% endblock jupyter_widgets %}
-{% block extra_css %}<style>{{ resources.course_css }}</style>{% endblock extra_css %}
+{% block extra_css %}<link rel="icon" href="data:,"><style>{{ resources.course_css }}</style>{% endblock extra_css %}
 {%- block body_header -%}{{ super() }}{{ resources.course_nav }}{%- endblock body_header -%}
 {% block body_footer %}{{ resources.course_nav }}{{ super() }}{% endblock body_footer %}
 """
@@ -89,7 +89,7 @@ def _nav(pages: list[tuple[str, str]], i: int) -> str:
 def _index(entries: list[tuple[str, str, str, str, bool]], course: str) -> str:
     from nbconvert.filters import markdown2html
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(course)}</title>",
-           "<meta name='viewport' content='width=device-width, initial-scale=1.0'>",
+           "<meta name='viewport' content='width=device-width, initial-scale=1.0'><link rel='icon' href='data:,'>",
            f"<style>{_INDEX_CSS}</style></head><body><h1>{html.escape(course)}</h1>",
            "<p>A hands-on course on sharded training: data parallel from scratch, FSDP in PyTorch and JAX, hybrid "
            "sharding and distributed checkpointing. Each lab below has its solution to read, with the outputs it "
