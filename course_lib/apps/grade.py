@@ -77,7 +77,11 @@ async def _grade_all(subs: list[Submission], limits: Limits, jobs: int, keep: Pa
 
     async def one(sub):
         async with gate:
-            g = await _grade_one(sub, limits, keep)
+            try:
+                g = await _grade_one(sub, limits, keep)
+            except Exception as exc:        # the grader's own failure on one file must not stop the class
+                g = Graded(sub.learner, sub.lab.lab, str(sub.path),
+                           error=f"grader error: {type(exc).__name__}: {grading.first_line(exc)}")
         bar.update(1)
         bar.set_postfix_str(f"{g.learner} {sum(r.verdict == 'solved' for r in g.results)}/{len(g.results)} solved")
         return g
@@ -92,6 +96,7 @@ def grade(paths: list[Path], labs_dir: Path, limits: Limits = Limits(), jobs: in
     """Grade every submission under ``paths``; refused files come back as rows with ``error`` set.
     With ``out``, write ``grades.csv``, ``report.html`` and ``notebooks/`` there."""
     subs, refused = find_submissions(paths, labs_dir)
+    registry.exercises()         # import every lab's checks now, not inside the event loop the kernels share
     rows = asyncio.run(_grade_all(subs, limits, jobs, None if out is None else Path(out) / "notebooks", progress))
     rows += [Graded(r.learner or "?", "", str(r.path), error=r.error) for r in refused]
     if out is not None:
