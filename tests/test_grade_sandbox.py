@@ -61,5 +61,5 @@ def test_a_kernel_that_ignores_interrupts_is_stopped_at_the_notebook_limit(tmp_p
     start = time.monotonic()
     run = asyncio.run(run_boxed(nb, tmp_path, Limits(cell_s=4, notebook_s=10)))
     assert "time limit" in (run.stopped or "") and time.monotonic() - start < 40
-    assert not nb.cells[1].outputs and run.processes >= 1
+    assert "never" not in _text(nb.cells[1]) and run.processes >= 1
     assert not [p for p in psutil.process_iter() if _tagged(p)]

@@ -65,10 +65,45 @@ class BoxedRun:
     timed_out_cells: list[int] = field(default_factory=list)
 
 
+#: How long one wait on a kernel channel lasts before it looks again (see :func:`_client_class`).
+POLL_SLICE_S = 1.0
+
+
+def _client_class():
+    """An async kernel client whose shell and IOPub waits are cut into :data:`POLL_SLICE_S` slices.
+
+    Why: a single long wait can miss a message that has already arrived (the socket's wake-up is lost when
+    widget comm traffic crosses the channel), and then nbclient sits out the whole cell limit beside an idle
+    kernel -- seen here on Lab 02's ``interact`` cell in 2 of 30 runs, an open nbclient issue
+    (jupyter/nbclient#312). Looking again every second finds the message; the limits are unchanged."""
+    from queue import Empty
+
+    from jupyter_client.asynchronous import AsyncKernelClient
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from traitlets import Type
+
+    class SlicedChannel(AsyncZMQSocketChannel):
+        async def get_msg(self, timeout: float | None = None):
+            end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if end is None else min(POLL_SLICE_S, max(0.0, end - time.monotonic()))
+                try:
+                    return await super().get_msg(timeout=left)
+                except Empty:
+                    if end is not None and time.monotonic() >= end:
+                        raise
+
+    class SlicedClient(AsyncKernelClient):
+        shell_channel_class = Type(SlicedChannel)
+        iopub_channel_class = Type(SlicedChannel)
+    return SlicedClient
+
+
 def _kernel_manager_class(limits: Limits, socket_dir: Path):
     import ipykernel.kernelspec
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
+    client = _client_class()
 
     class BoxedSpecs(KernelSpecManager):
         def get_kernel_spec(self, kernel_name):
@@ -82,6 +117,7 @@ def _kernel_manager_class(limits: Limits, socket_dir: Path):
             kw.setdefault("kernel_spec_manager", BoxedSpecs())
             kw.setdefault("transport", "ipc")                  # Unix sockets in the scratch folder
             kw.setdefault("ip", str(socket_dir / "kernel"))
+            kw.setdefault("client_factory", client)
             super().__init__(**kw)
     return BoxedKernelManager
 
