@@ -20,7 +20,6 @@ import nbformat
 import psutil
 import pytest
 
-from course_lib.apps.grade_sandbox import TAG_VAR
 from test_labs_wrong_answers import WRONG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,11 +50,15 @@ def _with(nb, marker: str, source: str) -> nbformat.NotebookNode:
     return nb
 
 
-def _tagged() -> list[int]:
+MARK = f"COURSE_LIB_TEST_GRADE_{os.getpid()}"     # in the grader's environment, so in every kernel's
+
+
+def _ours() -> list[int]:
+    """Processes started by this test's grader (they inherit MARK), except the test process itself."""
     found = []
     for p in psutil.process_iter():
         try:
-            if TAG_VAR in p.environ():
+            if p.pid != os.getpid() and MARK in p.environ():
                 found.append(p.pid)
         except psutil.Error:
             continue
@@ -85,7 +88,7 @@ def graded(tmp_path_factory):
     result = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(cls), "--out", str(out), "--jobs", "2",
                              "--cell-timeout", str(CELL_S), "--timeout", str(NOTEBOOK_S)],
                             cwd=ROOT, capture_output=True, text=True, timeout=850,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), MARK: "1"})
     seconds = time.monotonic() - start
     rows = list(csv.DictReader(open(out / "grades.csv", encoding="utf-8")))
     return result, seconds, rows, out
@@ -125,7 +128,7 @@ def test_within_the_limits_and_nothing_left_running(graded):
     frank = next(r for r in rows if r["learner"] == "frank")
     assert float(frank["seconds"]) < NOTEBOOK_S
     assert all(int(r["processes"]) >= 1 for r in rows if r["kind"] == "exercise")   # the kernel, at least: counted
-    assert _tagged() == []
+    assert _ours() == []
 
 
 def test_both_reports_are_written(graded):

@@ -6,10 +6,9 @@ import asyncio
 import time
 
 import nbformat
-import psutil
 import pytest
 
-from course_lib.apps.grade_sandbox import TAG_VAR, Limits, run_boxed
+from course_lib.apps.grade_sandbox import Limits, run_boxed, tagged_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,14 +37,7 @@ def test_memory_limit_files_and_escaped_processes(tmp_path):
     assert _errors(nb.cells[0]) == ["MemoryError"]
     assert _text(nb.cells[1]).strip() == str(tmp_path) and (tmp_path / "written.txt").read_text() == "here"
     assert run.processes >= 2 and run.leftovers >= 1                       # the kernel, and the sleep it left
-    assert not [p for p in psutil.process_iter() if _tagged(p)]
-
-
-def _tagged(p) -> bool:
-    try:
-        return TAG_VAR in p.environ()
-    except psutil.Error:
-        return False
+    assert tagged_processes(run.tag) == []
 
 
 def test_a_cell_over_its_limit_is_interrupted_and_the_notebook_goes_on(tmp_path):
@@ -62,4 +54,4 @@ def test_a_kernel_that_ignores_interrupts_is_stopped_at_the_notebook_limit(tmp_p
     run = asyncio.run(run_boxed(nb, tmp_path, Limits(cell_s=4, notebook_s=10)))
     assert "time limit" in (run.stopped or "") and time.monotonic() - start < 40
     assert "never" not in _text(nb.cells[1]) and run.processes >= 1
-    assert not [p for p in psutil.process_iter() if _tagged(p)]
+    assert tagged_processes(run.tag) == []

@@ -58,6 +58,7 @@ class Limits:
 class BoxedRun:
     """What happened to one notebook run (the executed notebook itself is ``nb``, updated in place)."""
 
+    tag: str = ""                  #: the value of :data:`TAG_VAR` its processes carried
     stopped: str | None = None     #: why the run stopped early: None when every cell ran
     seconds: float = 0.0
     processes: int = 0             #: processes of the submission found alive at the end (kernel included)
@@ -197,7 +198,7 @@ async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
 
     scratch = Path(scratch)
     tag = uuid.uuid4().hex
-    out = BoxedRun()
+    out = BoxedRun(tag=tag)
     start = time.monotonic()
     deadline = start + limits.notebook_s
 
