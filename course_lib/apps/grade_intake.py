@@ -126,7 +126,7 @@ def _read(path: Path, shipped: dict[str, ShippedLab]) -> Submission | Refused:
     except UnicodeDecodeError:
         return Refused(path, learner, "not a notebook: not UTF-8 text")
     except json.JSONDecodeError as exc:
-        return Refused(path, learner, f"broken JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+        return Refused(path, learner, f"broken JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})")
     if not isinstance(raw, dict) or raw.get("nbformat") != 4 or not isinstance(raw.get("cells"), list):
         return Refused(path, learner, "not a notebook: JSON without nbformat 4 cells")
     try:

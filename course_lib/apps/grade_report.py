@@ -6,7 +6,7 @@
     alice,02,exercise,storage_bytes,solved,,"✅ storage_bytes: ...",14.2,6
     bob,02,exercise,storage_bytes,wrong,views counted twice,"counted 1,024 B, ...",15.0,6
     bob,02,prediction,model state after one Adam step,close,,"🎯 ...",15.0,6
-    carol,02,error,,refused,,"broken JSON: Expecting ',' delimiter at line 12 column 5",,
+    erin,,error,,refused,,"broken JSON: Unterminated string starting at (line 104, column 5)",,
 
 ``report.html`` holds the learners × exercises grid (hover a cell for its detail), then, per exercise, how
 many solved it and its most common mistakes (what to re-teach), the predictions, the runs (seconds, processes
@@ -63,7 +63,7 @@ def summary_table(rows: list[Graded]) -> str:
     cols = _columns(graded)
     names = [f"{lab}/{name}" for lab, name in cols]
     width = max([len("learner")] + [len(g.learner) for g in graded])
-    lines = ["exercises: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(names)),
+    lines = [] if not graded else ["exercises: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(names)),
              f"{'learner':<{width}}  lab  " + " ".join(f"{i + 1:>2}" for i in range(len(cols))) + "  solved  seconds  note"]
     for g in graded:
         marks = " ".join(SYMBOL[r.verdict] if (r := _cell(g, c)) else "  " for c in cols)
@@ -71,7 +71,8 @@ def summary_table(rows: list[Graded]) -> str:
         note = g.stopped or "; ".join(g.notes)
         lines.append(f"{g.learner:<{width}}  {g.lab:<3}  {marks}  {solved:>2}/{len(g.results):<3} "
                      f"{g.seconds or 0:>7.1f}  {note}".rstrip())
-    lines.append("  ".join(f"{SYMBOL[v]} {v}" for v in VERDICTS))
+    if graded:
+        lines.append("  ".join(f"{SYMBOL[v]} {v}" for v in VERDICTS))
     for g in rows:
         if g.error is not None:
             lines.append(f"ERROR {g.path}: {g.error}")
