@@ -97,7 +97,7 @@ def write_csv(rows: list[Graded], path: Path) -> Path:
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f4f4f4}
-td.v{text-align:center;font-size:16px}.err{color:#a40000}small{color:#666}"""
+td.v{text-align:center}.err{color:#a40000}small{color:#666}"""
 
 
 def _e(x) -> str:
@@ -109,8 +109,8 @@ def write_html(rows: list[Graded], path: Path, title: str = "Grades") -> Path:
     cols = _columns(graded)
     out = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>",
            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>",
-           f"<p>{len(graded)} submission(s) graded, {len(rows) - len(graded)} refused. "
-           + " ".join(f"{SYMBOL[v]} {v}" for v in VERDICTS) + "</p>", "<h2>Learners × exercises</h2><table><tr><th>learner</th>"]
+           f"<p>{len(graded)} submission(s) graded, {len(rows) - len(graded)} refused. Hover a cell for its detail. "
+           + " ".join(f"<span style='background:{_COLOUR[v]};padding:0 .4em'>{v}</span>" for v in VERDICTS) + "</p>", "<h2>Learners × exercises</h2><table><tr><th>learner</th>"]
     out += [f"<th>{_e(lab)}<br>{_e(name)}</th>" for lab, name in cols] + ["<th>solved</th></tr>"]
     for g in graded:
         out.append(f"<tr><th>{_e(g.learner)}</th>")
@@ -118,7 +118,9 @@ def write_html(rows: list[Graded], path: Path, title: str = "Grades") -> Path:
             r = _cell(g, c)
             v = r.verdict if r else None
             tip = f"{v}" + (f" ({r.mistake})" if r and r.mistake else "") + (f": {r.detail}" if r and r.detail else "")
-            out.append(f"<td class='v' style='background:{_COLOUR[v]}' title='{_e(tip)}'>{SYMBOL[v]}</td>")
+            label = {"solved": "solved", "wrong": f"wrong{': ' + r.mistake if r and r.mistake else ''}",
+                     "not attempted": "—", "crashed": "crashed", None: ""}[v]        # words: no emoji font needed
+            out.append(f"<td class='v' style='background:{_COLOUR[v]}' title='{_e(tip)}'>{_e(label)}</td>")
         out.append(f"<td>{sum(r.verdict == 'solved' for r in g.results)}/{len(g.results)}</td></tr>")
     out.append("</table><h2>Per exercise: what to re-teach</h2><table><tr><th>exercise</th><th>solved</th>"
                "<th>wrong</th><th>not attempted</th><th>crashed</th><th>most common mistakes</th></tr>")
