@@ -12,10 +12,6 @@ LABS = ROOT / "labs"
 LAB02, LAB03 = sorted(LABS.glob("02_*.ipynb"))[0], sorted(LABS.glob("03_*.ipynb"))[0]
 
 
-def _errors(refused) -> dict[str, str]:
-    return {r.path.name if r.path.is_file() or r.path.suffix else r.path.name: r.error for r in refused}
-
-
 def test_learner_names_come_from_the_folder_or_the_file_name(tmp_path):
     (tmp_path / "alice").mkdir()
     nbformat.write(nbformat.read(LAB02, as_version=4), tmp_path / "alice" / LAB02.name)
