@@ -14,7 +14,7 @@ PIP_FILTER := 2> >(grep -v 'is ignored' >&2)
 WHAT ?= launch
 ARGS ?=
 
-.PHONY: lab test solutions labs doctor install bench clean system-deps
+.PHONY: lab test solutions labs doctor install bench clean system-deps site
 
 # constraints.txt is the tested set (pip freeze of the venv the suite passed in): a fresh install
 # reproduces it instead of taking whatever the index serves that day.
@@ -57,6 +57,11 @@ solutions: $(STAMP)
 labs: $(STAMP)
 	$(PY) -m course_lib make-labs
 
+# The course as a static website in site/: each solution with its outputs, a syllabus, the labs to download
+# (nbconvert and a generated index: course_lib/apps/site.py). Open site/index.html, or copy site/ to any host.
+site: $(STAMP)
+	$(PY) -m course_lib site
+
 doctor: $(STAMP)
 	$(PY) -m course_lib doctor
 
@@ -64,4 +69,4 @@ bench: $(STAMP)
 	$(PY) -m course_lib bench $(WHAT) $(ARGS)
 
 clean:
-	rm -rf $(VENV) test-artifacts .pytest_cache
+	rm -rf $(VENV) test-artifacts .pytest_cache site

@@ -25,7 +25,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                commit; one safetensors file for torch and Flax under the canonical names (names: the adapters)
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
-               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
+               declared once), grading (a run's printed lines -> a verdict per exercise, a score per
+               prediction), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
                lab06_tp (Lab 06's PyTorch tensor-parallel exercise)
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
@@ -34,10 +35,14 @@ private names borrowed across modules). Lowest first, each with what it may impo
                (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, two_node +
                two_node_worker (torchrun across two network namespaces)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
-  authoring/   labs (solution -> lab), validate, run (run-solutions)                      <- runtime
+  authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
+               source notebook)                                                          <- runtime
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
-               and a quiet exit), torchrun_demo                                              <- everything
+               and a quiet exit), torchrun_demo, grade (grade a class's labs) with grade_intake
+               (submissions, learner names, refusals), grade_sandbox (one kernel in a box: limits, every
+               process ended), grade_limits (the kernel's rlimit wrapper), grade_report (table, CSV, HTML),
+               site (the course as a static website)                                         <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
 ``train``, ``train_jax``, ``torchrun``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``

@@ -62,6 +62,9 @@ RUNS = {
                                            "course_lib.torchrun_demo"),
     "python -m course_lib.torchrun": ("tests/test_train_cli.py::test_sigterm_to_the_agent_saves_resumes_exactly_and_exits_143",
                                       "course_lib.torchrun"),
+    "make site": (HERE + "test_make_site_and_grade_a_stub", '"site"'),
+    "python -m course_lib site": (HERE + "test_make_site_and_grade_a_stub", '"site"'),
+    "python -m course_lib grade": (HERE + "test_make_site_and_grade_a_stub", '"grade"'),
     "python -m course_lib.train": (HERE + "test_capstone_help_and_a_two_step_run", "course_lib.train"),
     "python -m course_lib.train_jax": (HERE + "test_capstone_help_and_a_two_step_run", "course_lib.train_jax"),
 }
@@ -166,6 +169,19 @@ def test_make_lab_test_install_recipes_dry_run(tmp_path):
         shutil.copy(ROOT / name, tmp_path / name)
     install = _run(["make", "-n", "install"], cwd=tmp_path)
     assert "-m venv .venv" in install and '-c constraints.txt -e ".[test]"' in install
+
+
+def test_make_site_and_grade_a_stub(tmp_path):
+    """`make site` (dry run: `python -m course_lib site` below builds two pages for real), and `grade` on an
+    empty class folder: one named error, exit 1 (tests/test_grade.py grades a real class)."""
+    assert "-m course_lib site" in _run(MAKE[:1] + ["-n", "-o", ".venv/.installed", "site"])
+    out = tmp_path / "site"
+    _run([sys.executable, "-m", "course_lib", "site", "--out", str(out), "--pattern", "0[01]_*.ipynb"])
+    assert (out / "index.html").is_file() and len(list((out / "solutions").glob("*.html"))) == 2
+    (tmp_path / "class").mkdir()
+    res = subprocess.run([sys.executable, "-m", "course_lib", "grade", str(tmp_path / "class"), "--out",
+                          str(tmp_path / "grades")], capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
+    assert res.returncode != 0 and "empty" in (res.stdout + res.stderr).lower(), res.stdout + res.stderr
 
 
 def test_make_doctor_and_make_bench_launch():

@@ -4,7 +4,11 @@
 * :mod:`~course_lib.apps.train` -- the capstone, FSDP2 / HSDP under ``torchrun``;
 * :mod:`~course_lib.apps.train_jax` -- the capstone in JAX under ``jax.distributed``;
 * :mod:`~course_lib.apps.train_config` -- the two scripts' flags, checked before any rank trains;
-* :mod:`~course_lib.apps.torchrun_demo` -- a data-parallel all-reduce under ``torchrun``, its ledger checked.
+* :mod:`~course_lib.apps.torchrun_demo` -- a data-parallel all-reduce under ``torchrun``, its ledger checked;
+* :mod:`~course_lib.apps.grade` -- ``python -m course_lib grade``: a class's labs graded with the course's checks
+  (:mod:`~course_lib.apps.grade_intake`, :mod:`~course_lib.apps.grade_sandbox`,
+  :mod:`~course_lib.apps.grade_limits`, :mod:`~course_lib.apps.grade_report`);
+* :mod:`~course_lib.apps.site` -- ``python -m course_lib site`` (``make site``): the course as a static website.
 
 ``python -m course_lib.train``, ``.train_jax`` and ``.torchrun_demo`` are thin aliases of these, so the
 commands in the README and the labs stay short.

@@ -1,10 +1,13 @@
 """``python -m course_lib``: the course's command line (authoring, instructor runs, diagnosis).
 
-    make-labs       derive labs/ from solutions/ (``--check``: fail if labs/ is stale)
+    make-labs       derive labs/ from solutions/ (``--check``: fail if labs/ is stale; ``--nbgrader DIR``:
+                    nbgrader source notebooks instead, :mod:`course_lib.authoring.nbgrader`)
     validate        check solutions/ against the notebook conventions
     run-solutions   execute every solution (or ``--labs``) headless; print a one-screen table
     doctor          versions, cores, GPUs, the backend 4 ranks would use, JAX's devices
     bench WHAT      run ``course_lib.bench.<WHAT>.main(argv)`` (``step-time`` -> ``bench/step_time.py``)
+    grade PATHS     grade learners' labs with the course's checks (:mod:`course_lib.apps.grade`)
+    site            the course as a static website (:mod:`course_lib.apps.site`)
 """
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ def _root() -> Path:
 def cmd_make_labs(args) -> int:
     from course_lib import authoring
     try:
+        if args.nbgrader is not None:
+            written = authoring.write_nbgrader_sources(args.src, args.nbgrader)
+            for path in written:
+                print(f"wrote {path}")
+            print(f"{len(written)} nbgrader source notebook(s) in {args.nbgrader}: put them in the course's "
+                  "source/<assignment>/ and run `nbgrader generate_assignment <assignment>`")
+            return 0
         if args.check:
             stale = authoring.stale_labs(args.src, args.dst)
             if stale:
@@ -123,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="write nothing; exit 1 listing stale labs")
     s.add_argument("--src", type=Path, default=root / "solutions", help="solutions folder")
     s.add_argument("--dst", type=Path, default=root / "labs", help="labs folder")
+    s.add_argument("--nbgrader", type=Path, metavar="DIR", default=None,
+                   help="instead, write each lab as an nbgrader source notebook into DIR")
     s.set_defaults(func=cmd_make_labs)
 
     s = sub.add_parser("validate", help="check solutions/ against the notebook conventions")
@@ -147,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", help=f"one of: {', '.join(bench_modules()) or 'none yet'}")
     s.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     s.set_defaults(func=cmd_bench)
+
+    from course_lib.apps import grade, site
+    grade.add_parser(sub, root)
+    site.add_parser(sub, root)
     return p
 
 
