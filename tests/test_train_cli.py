@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -111,7 +112,10 @@ def test_under_plain_torchrun_only_rank_0_speaks(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.count("--lr -1.0 must be a positive learning rate") == 1, out.stderr
-    assert out.stderr.count("exitcode  : 2") == 2            # both ranks, same status (torchrun's report)
+    # torchrun reports the first failure (status 2) and may stop the other worker before it exits by itself
+    # (then -15): at least one 2, and nothing but 2 or -15
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     assert out.stderr.split("\n")[0].startswith("course_lib.train: bad configuration")   # ours comes first
 
 
