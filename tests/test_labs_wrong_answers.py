@@ -1,10 +1,15 @@
-"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, every lab.
+"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, Labs 00-06.
 
 Each lab is executed top to bottom, as a learner would run it, with exercises' stubs replaced by plausible
 wrong answers and checks in lab mode (``COURSE_LIB_STRICT_CHECKS=0``): every cell must run (the lab falls
 back to the reference), and every exercise's check must print its ❌ line with the diagnosis the exercise
 registry (:mod:`course_lib.checks.registry`) declares for that mistake, never a traceback. The registry
 finds each exercise's cell; this file holds only the wrong answers.
+
+These runs are also the labs' "as received" runs: the root ``conftest.py`` leaves ``labs/00``-``06`` out of
+nbval's collection, since each is executed here top to bottom as shipped except for its exercise cells (a stub
+and a wrong answer take the same fallback: the check returns False). Each check's ⏳ for a stub is asserted by
+its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shipped under nbval.
 """
 from __future__ import annotations
 
@@ -165,6 +170,42 @@ def gather_weight(w_shard, dim):
 def scatter_grad(g_full, dim):
     return jax.lax.psum(g_full, "fsdp")             # sums, but every device keeps the whole gradient
 """),
+    ("06", 'shard_hsdp', 'axes swapped', [], """\
+def shard_hsdp(model, replicate, shard):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (shard, replicate), mesh_dim_names=("shard", "replicate"))   # torchtitan's order
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+"""),
+    ("06", 'axis_bytes', 'whole Ψ across replicas', [], """\
+def axis_bytes(psi_pad, replicate, shard, b=4):
+    R, F = replicate, shard
+    return {"shard": 3 * (F - 1) / F * psi_pad * b, "replicate": 2 * (R - 1) / R * psi_pad * b}   # the whole Ψ
+"""),
+    ("06", 'choose_f', 'plain FSDP', [], """\
+def choose_f(psi, world, per_node, budget, bw_intra, bw_inter):
+    return world                                     # always FSDP
+"""),
+    ("06", 'tp_spec', 'cut over both axes on dim 0', [], """\
+def tp_spec(shape, fsdp, tensor):
+    if len(shape) == 2 and math.prod(shape) >= fsdp_jax.MIN_SIZE:
+        return P(("fsdp", "tensor"), None)          # both axes on the rows
+    return fsdp_jax.fsdp_spec(shape, fsdp)
+"""),
+    ("06", 'tp_plan', 'row-wise where column-wise belongs', [], """\
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+
+def tp_plan(n_heads, d_ff, tp, nodes, gpus_per_node):
+    if n_heads % tp or d_ff % tp or gpus_per_node % tp:
+        raise ValueError(f"tp({tp}) does not fit")
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.fc": RowwiseParallel(), "mlp.proj": ColwiseParallel()}   # swapped
+    return (nodes * gpus_per_node // tp, tp), ("dp_shard", "tp"), plan
+"""),
 ]
 LABS = sorted({lab for lab, *_ in WRONG})
 
@@ -198,6 +239,7 @@ def test_a_wrong_answer_never_breaks_the_lab(lab, monkeypatch):
     from nbclient import NotebookClient
     monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")       # lab mode: ❌ and fall back, never raise
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("COURSE_LIB_TWO_NODE", "0")        # Lab 06's two-node cells: tests/test_netns.py runs them
     nb = _wrong_lab(lab)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "labs")}}).execute()   # raises if a cell fails

@@ -174,7 +174,8 @@ def _axis_mistake(fn, psi, R, F, got) -> str | None:
 
 
 @exercise("06", 'axis_bytes', cell='def axis_bytes(', hints=HINTS['axis_bytes'],
-          mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again', 'half an all-reduce': 'half an all-reduce'})
+          mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again', 'half an all-reduce': 'half an all-reduce',
+                    'whole Ψ across replicas': 'reduced shard'})
 def check_axis_bytes(fn, name: str = "axis_bytes") -> bool:
     """``fn(psi_pad, replicate, shard, b=4) -> {"shard": bytes, "replicate": bytes}`` per rank per step."""
     with checks.check(name, tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
