@@ -67,7 +67,7 @@ def test_interrupt_at_any_moment_leaves_no_rank(tmp_path, delay):
         child.wait(10)
     except subprocess.TimeoutExpired:
         child.kill()
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 8.0   # a rank's exit under a loaded machine (one took > 3 s in a full run)
     while _rank_procs() and time.monotonic() < deadline:
         time.sleep(0.1)
     left = _rank_procs()

@@ -31,7 +31,7 @@ __all__ = ["ShippedLab", "Submission", "Refused", "shipped_labs", "find_submissi
 
 _LAB_FILE = re.compile(r"^(?P<lab>\d\d)_.*\.ipynb$")
 _LEARNER_FILE = re.compile(r"^(?P<learner>.+?)[-_. ]+(?P<lab>\d\d)_.*\.ipynb$")
-_CHECK_CALL = re.compile(r"\blab\d\d\.check_\w+\(|\bchecks\.(?:prediction|parity_check|check)\(")
+_CHECK_CALL = re.compile(r"\blab\d\d(?:_\w+)?\.check_\w+\(|\bchecks\.(?:prediction|parity_check|check)\(")
 
 
 def is_check_cell(cell) -> bool:

@@ -34,7 +34,7 @@ from course_lib.authoring.labs import LAB_GLOB, AuthoringError, notebook_text, r
 __all__ = ["SCHEMA_VERSION", "nbgrader_source", "write_nbgrader_sources"]
 
 SCHEMA_VERSION = 3
-_CHECK = re.compile(r"^(?P<var>\w+)\s*=\s*(?P<call>lab\d\d\.(?P<check>check_\w+))\(", re.M)
+_CHECK = re.compile(r"^(?P<var>\w+)\s*=\s*(?P<call>lab\d\d(?:_\w+)?\.(?P<check>check_\w+))\(", re.M)
 _READ_ONLY = re.compile(r"\bchecks\.(?:prediction|parity_check|check)\(|course_lib\.banner\(")
 
 
