@@ -13,8 +13,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
-  launch/      pool (run a notebook function on N ranks), rank (the rank side), results, preload (the fork
-               server's imports, in two stages)
+  launch/      pool (run a notebook function on N ranks), rank (the rank side), results
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)

@@ -74,10 +74,7 @@ def _context():
     mode = os.environ.get("COURSE_LIB_PRELOAD", "full")
     if mode not in PRELOAD:
         raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of {sorted(PRELOAD)}")
-    # Two stages (launch/preload.py): what the first collective needs before the first fork, the rest on a
-    # background thread of the server afterwards. The list reaches the server through its environment.
-    os.environ["COURSE_LIB_PRELOAD_REST"] = ",".join(PRELOAD[mode])
-    ctx.set_forkserver_preload(["course_lib.launch.preload"])
+    ctx.set_forkserver_preload(PRELOAD[mode])
     return ctx
 
 
