@@ -76,6 +76,7 @@ def _mesh_and_model(kind: str, cfg, n: int, nodes: int):
     """The mesh, the sharded model, this rank's data-parallel (index, size) and its compute config."""
     import dataclasses
 
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from course_lib.models import torch_gpt
@@ -83,7 +84,6 @@ def _mesh_and_model(kind: str, cfg, n: int, nodes: int):
     from course_lib.strategies.tp import torch as tpt
     if kind in ("fsdp", "hsdp"):
         mesh = init_device_mesh("cpu", (n,)) if kind == "fsdp" else hsdp.hsdp_mesh(nodes, n // nodes)
-        import torch.distributed as dist
         return mesh, hsdp.build_gpt(cfg, mesh), (dist.get_rank(), n), cfg
     cfg = dataclasses.replace(cfg, **TP_CONFIG)
     per_node = n // nodes
