@@ -28,7 +28,23 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from course_lib.checks.core import register_hints
 
-__all__ = ["Exercise", "exercise", "exercises", "find", "verdict", "kill_table"]
+__all__ = ["Exercise", "KINDS", "exercise", "exercises", "find", "verdict", "kill_table"]
+
+#: The kinds of classic mistake a check must catch. Every check guards "value" and "crash"; an exercise
+#: declares (``guards=``) the other kinds that apply to it, and the wrong-answer catalogue
+#: (``tests/wrong_answers/``) holds at least one wrong answer of each kind each exercise guards.
+KINDS = {
+    "value": "a wrong value: the formula, the reduction or the order is wrong",
+    "boundary": "a boundary the text states, read the other way: 'at most' as strict, > for >=, GB for GiB",
+    "argument": "an argument, dim or mesh axis the answer ignores, or a shape cut along one dim only",
+    "cost": "right values at the wrong cost: op kinds, bytes moved, the memory peak or aliasing",
+    "feasible": "an optimisation answer that is merely feasible, not the best one",
+    "restore": "a restore that looks right when checked but differs once the run continues",
+    "crash": "the answer raises: the check names the call, the rank and the line, never a raw traceback",
+}
+ALWAYS = ("value", "crash")
+#: What every check's ❌ line says when the learner's code raised (:class:`course_lib.checks.core.check`).
+CRASH_PHRASE = "your code raised"
 
 _REGISTRY: dict[tuple[str, str], "Exercise"] = {}
 
@@ -44,6 +60,7 @@ class Exercise:
     check: Callable = field(repr=False, compare=False)   #: the check function (learner's answer -> bool)
     tests: str = ""               #: what the check verifies, as the ⏳ line says it
     mistakes: Mapping[str, str] = field(default_factory=dict)   #: tag -> phrase the ❌ line holds for it
+    guards: tuple[str, ...] = ALWAYS   #: the :data:`KINDS` of mistake this check must catch
 
     def __post_init__(self):
         if not re.fullmatch(r"\d\d", self.lab):
@@ -52,6 +69,10 @@ class Exercise:
             raise ValueError(f"exercise {self.lab}/{self.name!r}: name and cell must be non-empty")
         if not self.hints or any(not isinstance(h, str) or not h.strip() for h in self.hints):
             raise ValueError(f"exercise {self.lab}/{self.name}: hints must be non-empty strings, most general first")
+        unknown = [k for k in self.guards if k not in KINDS]
+        if unknown:
+            raise ValueError(f"exercise {self.lab}/{self.name}: guards={unknown} are not kinds of mistake; "
+                             f"use some of {sorted(KINDS)}")
 
     def diagnosis(self, feedback: str) -> str | None:
         """The tag of the first declared mistake whose phrase the ❌ text holds, or None."""
@@ -59,11 +80,16 @@ class Exercise:
 
 
 def exercise(lab: str, name: str, *, cell: str, hints: Sequence[str], tests: str = "",
-             mistakes: Mapping[str, str] | None = None) -> Callable[[Callable], Callable]:
-    """Declare the check below as exercise ``name`` of lab ``lab`` (see the module docstring)."""
+             mistakes: Mapping[str, str] | None = None, guards: Sequence[str] = ()) -> Callable[[Callable], Callable]:
+    """Declare the check below as exercise ``name`` of lab ``lab`` (see the module docstring).
+    ``guards``: the kinds of mistake (:data:`KINDS`) it catches beyond "value" and "crash"."""
     def register(check: Callable) -> Callable:
         key = (lab, name)
-        ex = Exercise(lab, name, cell, tuple(hints), check, tests, dict(mistakes or {}))
+        kinds = ALWAYS + tuple(k for k in guards if k not in ALWAYS)
+        said = dict(mistakes or {})
+        if CRASH_PHRASE not in said.values():
+            said["crash"] = CRASH_PHRASE      # every check turns a crash in the answer into this ❌ line
+        ex = Exercise(lab, name, cell, tuple(hints), check, tests, said, kinds)
         old = _REGISTRY.get(key)
         if old is not None and old.check.__qualname__ != check.__qualname__:
             raise ValueError(f"exercise {lab}/{name} declared twice: {old.check.__qualname__} and {check.__qualname__}")
