@@ -218,6 +218,22 @@ def test_in_a_lab_a_crash_names_the_exception_and_folds_the_traceback(lab_mode, 
     assert "❌ index: your code raised IndexError: list index out of range" in out
     assert "checks.last_error()" in out and "Traceback" not in out
     assert "IndexError" in checks.last_error()
+    assert "likely cause: an index past the end" in out
+
+
+@pytest.mark.parametrize("kind, message, cause", [
+    ("RuntimeError", "Connection closed by peer [127.0.0.1]:29500", "another rank stopped early"),
+    ("RuntimeError", "shape '[4, 17]' is invalid for input of size 70", "shape or size is not what this call expects"),
+    ("RuntimeError", "expected scalar type Float but found Double", "different dtypes"),
+    ("RuntimeError", "setStorage: sizes [17], strides [1], storage offset 0 out of bounds for storage of size 0",
+     "a storage that was freed"),
+    ("AttributeError", "'FlatParam' object has no attribute 'set_view'", "misspelt name"),
+    ("ValueError", "too many values to unpack", ""),
+])
+def test_a_crash_names_its_likely_cause_from_type_and_message(kind, message, cause):
+    from course_lib.checks.core import likely_cause
+    got = likely_cause(kind, message)
+    assert (cause in got) if cause else got == "", got
 
 
 def test_under_the_tests_a_wrong_answer_raises():

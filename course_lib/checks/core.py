@@ -135,6 +135,39 @@ def _learner_line(text: str) -> str:
     return ""
 
 
+#: (exception type or None for any, regex on its message, likely cause): the first match is named under the
+#: ❌ line of a crash. Causes only -- never the fix's code.
+_CAUSES: list[tuple[str | None, str, str]] = [
+    (None, r"[Cc]onnection (closed|reset)|timed? ?out|Timeout|hung",
+     "another rank stopped early or skipped a collective: every rank must call the same collectives, in the "
+     "same order, with the same sizes"),
+    (None, r"setStorage|storage of size 0|freed storage",
+     "a tensor views a storage that was freed (resized to 0) and not refilled before it was used"),
+    (None, r"dtype|expected scalar type|[Ff]loat but found|Double|BFloat16",
+     "two tensors of different dtypes meet: an allocation without dtype=, or a cast lost on the way"),
+    (None, r"size|shape|must match|mismatch|elements|dimension|divisible|out of bounds",
+     "a tensor's shape or size is not what this call expects: print the shapes going into that line "
+     "(padding? the dim you cut? numel // N?)"),
+    ("AttributeError", "", "a misspelt name, or an object that is not the type you think it is"),
+    ("NameError", "", "a name from an earlier cell is not defined here: run the lab's cells above, in order"),
+    ("TypeError", "", "the call's arguments do not match what the function takes: compare with the lab's text"),
+    ("ZeroDivisionError", "", "a division by a size that can be 0 (N - 1 with N = 1? an empty shard?)"),
+    ("IndexError", "", "an index past the end: check the boundaries (the first and last block, rank N - 1)"),
+    ("KeyError", "", "a key that is not there: compare the names you use with the ones the object holds"),
+    ("CheckpointException", "",
+     "DCP could not save or load: most often a state_dict whose keys or shapes differ from the checkpoint's"),
+    ("RecursionError", "", "a function that calls itself without end (a hook that triggers itself?)"),
+]
+
+
+def likely_cause(kind: str, message: str) -> str:
+    """The likely cause of an exception of type ``kind`` with ``message``, or '' (see :data:`_CAUSES`)."""
+    for name, pattern, cause in _CAUSES:
+        if (name is None or name == kind) and (not pattern or re.search(pattern, message)):
+            return cause
+    return ""
+
+
 class check:
     """Run one exercise check, as a context manager or as a decorator that runs the function now.
 
@@ -198,8 +231,10 @@ class check:
         msg = (_rank_message(exc) if rank_type else str(exc)).strip().splitlines()
         line = _learner_line(text)
         _LAST_ERROR[0] = text
+        cause = likely_cause(kind, " ".join(msg))
         return self._wrong(f"❌ {self.name}: your code raised {kind}{where}"
                            + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
+                           + (f"\n   likely cause: {cause}" if cause else "")
                            + "\n   (full traceback: checks.last_error())")
 
     def _wrong(self, feedback: str) -> bool:
