@@ -83,10 +83,12 @@ TESTS = {
     "Unshard": "on 4 gloo ranks, a Linear(17, 257) unit in float32 and float64: forward returns the whole "
                "padded buffer (same dtype as the shard) and leaves the flat UNSHARDED; backward gives each "
                "rank the mean over ranks of its gradient slice and leaves the flat SHARDED; the ledger "
-               "shows one all_gather and one reduce_scatter",
+               "shows one all_gather and one reduce_scatter; then the same on 2 ranks (the world size is not "
+               "hard-coded)",
     "MyFSDP": "3 SGD steps of the lab's GPT on 4 ranks: the gradient shards of step 0 equal DDP's, the "
-              "losses match DDP, no unit is left gathered, and each step's ledger has 4 all-gathers in "
-              "forward, 4 in backward, 4 reduce-scatters (the formula's bytes exactly)",
+              "losses match DDP, no unit is left gathered, each step's ledger has 4 all-gathers in "
+              "forward, 4 in backward, 4 reduce-scatters (the formula's bytes exactly), and at most the root "
+              "and one block are gathered at once",
     "prefetch": "2 SGD steps on 4 ranks: losses and bytes as without prefetch; each unit's pre_forward "
                 "starts the next unit's all-gather asynchronously (async_op=True), one unit ahead, and the "
                 "peak of gathered parameters is exactly root + 2 blocks",
