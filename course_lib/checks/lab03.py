@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import checks
+from course_lib.checks.core import not_implemented_todo
 from course_lib.maths import costs
 from course_lib.maths.sharding import flat_layout, padded_size
 from course_lib.checks.fsdp_harness import divided_twice, grads_match_ddp, ledger_matches_formula, train_beside_ddp
@@ -82,10 +83,12 @@ TESTS = {
     "Unshard": "on 4 gloo ranks, a Linear(17, 257) unit in float32 and float64: forward returns the whole "
                "padded buffer (same dtype as the shard) and leaves the flat UNSHARDED; backward gives each "
                "rank the mean over ranks of its gradient slice and leaves the flat SHARDED; the ledger "
-               "shows one all_gather and one reduce_scatter",
+               "shows one all_gather and one reduce_scatter; then the same on 2 ranks (the world size is not "
+               "hard-coded)",
     "MyFSDP": "3 SGD steps of the lab's GPT on 4 ranks: the gradient shards of step 0 equal DDP's, the "
-              "losses match DDP, no unit is left gathered, and each step's ledger has 4 all-gathers in "
-              "forward, 4 in backward, 4 reduce-scatters (the formula's bytes exactly)",
+              "losses match DDP, no unit is left gathered, each step's ledger has 4 all-gathers in "
+              "forward, 4 in backward, 4 reduce-scatters (the formula's bytes exactly), and at most the root "
+              "and one block are gathered at once",
     "prefetch": "2 SGD steps on 4 ranks: losses and bytes as without prefetch; each unit's pre_forward "
                 "starts the next unit's all-gather asynchronously (async_op=True), one unit ahead, and the "
                 "peak of gathered parameters is exactly root + 2 blocks",
@@ -112,7 +115,13 @@ def _per_tensor_padded(tensors, world: int) -> np.ndarray:
 
 # -- Lab 03, exercise 1: flatten, concatenate, pad, keep one shard (pure, no ranks) ------------------
 @exercise("03", 'flat_shard', cell='def flat_shard(', hints=HINTS['flat_shard'], tests=TESTS['flat_shard'],
-          mistakes={'no padding': 'pad the flat buffer with zeros'})
+          mistakes={'no padding': 'pad the flat buffer with zeros', 'pads when it divides': 'already divides by',
+                    'world ignored': 'use the `world` argument', 'rank ignored': 'the offset ignores the rank',
+                    'dtype dropped': "without the tensors' dtype", 'padded in front': 'the padding is at the front',
+                    'wrong offset': 'wrong rank offset',
+                    'rounded down': 'it must be rounded UP', 'each tensor padded': 'each tensor was padded on its own',
+                    'a view, not a copy': 'keeps the whole'},
+          guards=("boundary", "argument", "cost"))
 def check_flat_shard(fn, name: str = "flat_shard") -> bool:
     """``fn(tensors, rank, world) -> 1-D tensor``: this rank's shard of the padded flat parameter."""
     import torch
@@ -132,7 +141,16 @@ def check_flat_shard(fn, name: str = "flat_shard") -> bool:
             sizes = [g_.numel() for g_ in got_all]
             S = padded_size(flat.size, world) // world
             if len(set(sizes)) > 1 or sizes[0] != S:
-                if sum(sizes) == flat.size:
+                ceil_k = [k for k in range(1, 65) if k != world and sizes[0] == padded_size(flat.size, k) // k]
+                if flat.size % world == 0 and len(set(sizes)) == 1 and sizes[0] == flat.size // world + 1:
+                    why = (f"{flat.size} already divides by {world}: no padding is needed here, but your buffer got "
+                           f"{world} zeros more (a pad of `world - numel % world` is `world` when the remainder "
+                           "is 0); pad only up to the next multiple")
+                elif len(set(sizes)) == 1 and ceil_k and sizes[0] != flat.size // world:
+                    why = (f"every shard has ceil({flat.size} / {ceil_k[0]}) = {sizes[0]} elements: sized for "
+                           f"{ceil_k[0]} ranks, not for world = {world}; use the `world` argument (not the "
+                           "notebook's N)")
+                elif sum(sizes) == flat.size:
                     why = (f"the last ranks' shards are short: pad the flat buffer with zeros to "
                            f"ceil({flat.size} / {world}) · {world} = {S * world} first (collectives need equal sizes)")
                 elif sum(sizes) == sum(padded_size(t.numel(), world) for t in tensors):
@@ -222,7 +240,13 @@ def _dtype_failure(exc) -> str | None:
 
 
 @exercise("03", 'Unshard', cell='class Unshard(', hints=HINTS['Unshard'], tests=TESTS['Unshard'],
-          mistakes={'dtype dropped': 'allocated without dtype='})
+          mistakes={'dtype dropped': 'allocated without dtype=', 'world size hard-coded': 'use dist.get_world_size()',
+                    'all-reduce in backward': 'all_reduce sends 2× the bytes of a reduce_scatter',
+                    'forward not an all-gather': '2× the bytes of an all_gather',
+                    'not freed': 'still UNSHARDED after backward', 'summed, not averaged': 'summed instead of averaging',
+                    'divided twice': 'you divided twice', 'returns the shard': 'return the gathered buffer, not the input',
+                    'state not set': 'flat.state = State.UNSHARDED'},
+          guards=("argument", "cost"))
 def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -> bool:
     """``fn_cls.apply(sharded, flat)``: forward all-gathers the padded flat buffer (flat UNSHARDED);
     backward reduce-scatters the gradient and divides by N (flat SHARDED again); in float32 and float64."""
@@ -255,9 +279,18 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
         led = out.ledger.filter(rank=0)
         fwd, bwd = [x.op for x in led.filter(phase="forward")], [x.op for x in led.filter(phase="backward")]
         if fwd != ["all_gather"] or bwd != ["reduce_scatter"]:
+            why = []
+            if "all_reduce" in bwd:
+                why.append("backward all-reduced the whole gradient and kept a slice: an all_reduce sends 2× the "
+                           "bytes of a reduce_scatter, and every rank holds the whole summed gradient")
+            if "all_reduce" in fwd:
+                why.append("forward all-reduced a zero-filled buffer holding the shard: that sends 2× the bytes of "
+                           "an all_gather for the same result")
+            if not why:
+                why.append("one collective each way: an all_gather in forward, a reduce_scatter in backward")
             raise AssertionError(f"the numbers are right, but rank 0 issued forward {fwd}, backward {bwd}; "
-                                 "expected one all_gather in forward and one reduce_scatter in backward "
-                                 "(an all_reduce sends 2× the bytes and keeps the whole gradient)")
+                                 "expected one all_gather in forward and one reduce_scatter in backward\n"
+                                 "   likely mistake: " + "; ".join(why))
         wire = costs.ledger_wire_bytes(led)
         try:
             out64 = run(_unit_on_rank, fn_cls, "float64", world_size=world_size)
@@ -271,10 +304,42 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
                                  f"came back {out64[0].get('grad_dtype')}\n   likely mistake: a buffer allocated "
                                  "without dtype= (torch.empty(k) is float32): allocate like the input, "
                                  "dtype=sharded.dtype, device=sharded.device (the lab's parity check runs in float64)")
+        _check_other_world(fn_cls, 2 if n != 2 else 3, n, name)
         MEASURED["Unshard wire bytes"] = wire
         c.ok(f"gathers {padded:,} elements (2 of padding), gradient shard = mean over {n} ranks, in float32 and "
              f"float64; ledger: all_gather + reduce_scatter, {wire:,.0f} wire bytes on rank 0")
     return bool(c.passed)
+
+
+def _world_hard_coded(n: int, other: int):
+    def detect(got, exp):
+        if got.shape == exp.shape and np.any(exp != 0) and np.allclose(got, exp * n / other, rtol=1e-4, atol=1e-7):
+            return (f"got is the mean × {n}/{other}: with {n} ranks you divided by {other}, the world size is "
+                    "hard-coded (the notebook's N?); use dist.get_world_size()")
+    return detect
+
+
+def _check_other_world(fn_cls, n: int, usual: int, name: str) -> None:
+    """The same unit on ``n`` ranks (not the usual ``usual``): the world size is an argument too."""
+    from course_lib.launch import run
+    try:
+        out = run(_unit_on_rank, fn_cls, "float32", world_size=n)
+    except Exception as e:  # noqa: BLE001 - it ran on `usual` ranks: a crash on n ranks is a hard-coded size
+        if not_implemented_todo(e) is not None:
+            raise
+        where = f"on rank {e.rank}, " if getattr(e, "rank", None) is not None else ""
+        said = str(e).split("\n")[0].split(": ", 1)[-1][:160]
+        raise AssertionError(f"on {usual} ranks your Unshard is right, but on {n} ranks it failed ({where}{said})\n"
+                             f"   likely mistake: a size hard-coded for {usual} ranks (the notebook's N?): use "
+                             "dist.get_world_size()") from None
+    if out[0]["full_numel"] != out[0]["padded"]:
+        raise AssertionError(f"on {n} ranks forward returned {out[0]['full_numel']} elements, expected "
+                             f"{out[0]['padded']}\n   likely mistake: a size hard-coded for {usual} ranks (the "
+                             "notebook's N?): use dist.get_world_size()")
+    for r in range(n):
+        checks.assert_close(f"{name}.backward on {n} ranks: gradient shard on rank {r}", out[r]["grad"],
+                            out[r]["grad_ref"], rtol=1e-5, atol=1e-6,
+                            hint=[_world_hard_coded(n, usual), checks.summed_not_averaged(n), divided_twice(n)])
 
 
 def _full_not_shard(_):
@@ -286,7 +351,12 @@ def _full_not_shard(_):
 
 # -- Lab 03, exercise 3 and 4: the unit lifecycle, then prefetch (trained by checks.fsdp_harness) --
 @exercise("03", 'MyFSDP', cell='class MyFSDP(', hints=HINTS['MyFSDP'], tests=TESTS['MyFSDP'],
-          mistakes={"crash in the learner's code": 'your code raised'})
+          mistakes={"crash in the learner's code": 'your code raised',
+                    'never freed': 'post_forward must call flat.reshard()', 'gathers too much': 'gathered at once',
+                    'no re-gather': 'pre_backward must gather the unit again', 'no views': 'flat.set_views(full)',
+                    'bypasses autograd': 'did not go through the autograd Function',
+                    'forgets the buffer': 'flat.unsharded = None alone', 'summed, not averaged': 'summed instead of averaging'},
+          guards=("cost",))
 def check_fsdp_class(cls, world_size: int = 4, steps: int = 3, name: str = "MyFSDP") -> bool:
     """``cls(model, units)`` trains the lab's GPT: DDP's gradients and losses, FSDP's ledger, units freed."""
     with checks.check(name, tests=TESTS[name]) as c:
@@ -298,6 +368,13 @@ def check_fsdp_class(cls, world_size: int = 4, steps: int = 3, name: str = "MyFS
         grads_match_ddp(o, name, world_size)
         checks.assert_close(f"{name} losses vs DDP ({steps} SGD steps)", o["fsdp"], o["ddp"], **checks.TOLERANCES["fp32"])
         analytic = ledger_matches_formula(out.ledger.filter(rank=0), o["units"], world_size, steps)
+        root, blocks = o["flats"][0], o["flats"][1:]
+        want = root + max(blocks)
+        if o["peak"] > want:
+            raise AssertionError(f"the right values and bytes, but {o['peak']:,} parameter bytes were gathered at once; "
+                                 f"FSDP holds the root and one block at a time, {want:,} bytes (all units: "
+                                 f"{sum(o['flats']):,})\n   likely mistake: gather only the unit that is about to "
+                                 "run (pre_backward: flat.unshard() of this flat, not of every unit)")
         c.ok(f"DDP's gradients and losses over {steps} steps; per step {len(o['units'])} all-gathers forward + "
              f"{len(o['units'])} backward + {len(o['units'])} reduce-scatters = {analytic.wire_bytes:,.0f} wire "
              "bytes, the formula exactly")
@@ -337,7 +414,10 @@ def _check_prefetch_plan(events, names):
 
 
 @exercise("03", 'prefetch', cell='class Prefetching(', hints=HINTS['prefetch'], tests=TESTS['prefetch'],
-          mistakes={'synchronous prefetch': 'async_op=False'})
+          mistakes={'synchronous prefetch': 'async_op=False', 'no prefetch': 'started no gather ahead',
+                    'prefetches every unit': 'prefetch ONE unit', 'wrong unit': 'runs next',
+                    'prefetch too late': 'too late to overlap'},
+          guards=("cost",))
 def check_prefetch(cls, world_size: int = 4, steps: int = 2, name: str = "prefetch") -> bool:
     """``cls(model, units)`` prefetches the next unit: same losses and bytes, the next unit's all-gather
     started asynchronously in the current unit's pre_forward, root + two blocks unsharded at the peak."""

@@ -38,10 +38,11 @@ MEASURED: dict[str, float] = {}
 
 TESTS = {
     "shard_model": "on 4 gloo ranks, one training step of the lab's GPT: every block and the root are FSDP "
-                   "units, every parameter a DTensor; the ledger shows 4 all-gathers in forward (one per "
-                   "unit), 3 in backward (the blocks again; the root stays gathered) and 4 reduce-scatters",
-    "set_prefetch": "a 5-block GPT with depth 2: the forward and backward prefetch lists FSDP2 holds for "
-                    "every block (which blocks, in which order)",
+                   "units, every parameter a DTensor over the mesh it is given (also one axis of a 2-D mesh); the "
+                   "ledger shows 4 all-gathers in forward (one per unit), 3 in backward (the blocks again; the root "
+                   "stays gathered) and 4 reduce-scatters",
+    "set_prefetch": "a 5-block GPT with depth 2, then depth 3: the forward and backward prefetch lists FSDP2 "
+                    "holds for every block (which blocks, in which order, up to both ends)",
 }
 
 
@@ -76,6 +77,15 @@ def _fsdp2_on_rank(fn, cfg):
     with lt.phase("forward"):
         loss = loss_fn(model(x), y)
     loss.backward()
+    n = dist.get_world_size()
+    if n % 2 == 0 and n > 2:   # the mesh is an argument too: a 2-D mesh's "shard" axis holds n/2 of the n ranks
+        with lt.paused():
+            sub = init_device_mesh(device.type, (2, n // 2), mesh_dim_names=("replicate", "shard"))["shard"]
+            with torch.device("meta"):
+                other = TorchGPT(cfg)
+            fn(other, sub)
+        info["sub_mesh"] = (sub.size(), sorted({p.device_mesh.size() for p in other.parameters()
+                                               if isinstance(p, DTensor)}))
     return info
 
 
@@ -92,7 +102,11 @@ def _run_shard(fn, world_size):
 
 
 @exercise("04", 'shard_model', cell='def shard_model(', hints=HINTS['shard_model'], tests=TESTS['shard_model'],
-          mistakes={'root only': 'call fully_shard(block) on every block'})
+          mistakes={'root only': 'call fully_shard(block) on every block', 'no root': 'call fully_shard(model) last',
+                    'root first': 'the root was sharded before the blocks', 'mesh ignored': 'pass mesh=mesh',
+                    'never resharded': 'reshard_after_forward=False', 'root resharded': 'keeps the root gathered',
+                    'units too small': 'sharding each layer inside a block', 'a knob changed': 'a knob changed what is sent'},
+          guards=("argument", "cost"))
 def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> bool:
     """``fn(model, mesh)`` applies ``fully_shard`` over ``mesh`` to every block, then to the root."""
     with checks.check(name, tests=TESTS[name]) as c:
@@ -111,14 +125,27 @@ def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> boo
                                  f"{inner[:4]}{' ...' if len(inner) > 4 else ''}\n   likely mistake: only the "
                                  "blocks and the root are units; sharding each layer inside a block multiplies "
                                  "the collectives (each too small to hide behind compute)")
+        if "sub_mesh" in o and o["sub_mesh"][1] != [o["sub_mesh"][0]]:
+            size, got = o["sub_mesh"]
+            raise AssertionError(f"given a mesh of {size} ranks (one axis of a 2-D mesh), your parameters were sharded "
+                                 f"over meshes of {got} ranks\n   likely mistake: pass mesh=mesh to every "
+                                 "fully_shard call: without it FSDP2 shards over all the ranks, which is only the "
+                                 "same thing on a 1-D mesh of every rank")
         led = out.ledger.filter(rank=0)
         fwd = len(led.filter(phase="forward", op="all_gather"))
         bwd = len(led.filter(phase="backward", op="all_gather"))
         rs = len(led.filter(op="reduce_scatter"))
         if (fwd, bwd, rs) != (k, k - 1, k):
-            why = ("no all-gather in backward: reshard_after_forward=False keeps every block gathered from its "
-                   "forward to its backward (ZeRO-2's traffic, and the memory FSDP exists to save); leave the "
-                   "default" if bwd == 0 else "one all-gather per unit in forward, the blocks again in backward")
+            if bwd == 0:
+                why = ("no all-gather in backward: reshard_after_forward=False keeps every block gathered from its "
+                       "forward to its backward (ZeRO-2's traffic, and the memory FSDP exists to save); leave the "
+                       "default")
+            elif (fwd, bwd, rs) == (k, k, k):
+                why = ("the root was gathered again in backward: reshard_after_forward=True on the root frees it "
+                       "only to gather it at once; FSDP2's default (None) keeps the root gathered, one all-gather "
+                       "less: leave the default")
+            else:
+                why = "one all-gather per unit in forward, the blocks again in backward"
             raise AssertionError(f"rank 0 issued {fwd} all-gathers in forward, {bwd} in backward, {rs} "
                                  f"reduce-scatters; expected {k}, {k - 1}, {k}\n   likely mistake: {why}")
         formula = costs.step_cost("fsdp", o["shapes"], world_size, padding="dim0", root_unit=0).wire_bytes
@@ -136,7 +163,7 @@ def check_shard_model(fn, world_size: int = 4, name: str = "shard_model") -> boo
 
 # -- exercise 2: explicit prefetch, two units ahead ("Train Your Large Model on Multiple GPUs with
 #    Fully Sharded Data Parallelism", Machine Learning Mastery, shows it) --------------------------
-def _plan_on_rank(fn, cfg, depth):
+def _plan_on_rank(fn, cfg, depths):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -144,19 +171,31 @@ def _plan_on_rank(fn, cfg, depth):
     from course_lib.launch import rank_info
     from course_lib.models import TorchGPT
     from course_lib.strategies.fsdp.torch import shard_gpt
-    with torch.device("meta"):
-        model = TorchGPT(cfg)
-    shard_gpt(model, init_device_mesh(rank_info().device.split(":")[0], (dist.get_world_size(),)))
-    fn(model, depth)
-    idx = {id(b._get_fsdp_state()): i for i, b in enumerate(model.blocks)}
-    fwd = [[idx.get(id(s), -1) for s in (b._get_fsdp_state()._states_to_forward_prefetch or [])] for b in model.blocks]
-    bwd = [[idx.get(id(s), -1) for s in (b._get_fsdp_state()._states_to_backward_prefetch or [])] for b in model.blocks]
-    return fwd, bwd
+    mesh = init_device_mesh(rank_info().device.split(":")[0], (dist.get_world_size(),))
+    plans = []
+    for depth in depths:   # each depth on a fresh model: the lists are set, not appended to
+        with torch.device("meta"):
+            model = TorchGPT(cfg)
+        shard_gpt(model, mesh)
+        fn(model, depth)
+        idx = {id(b._get_fsdp_state()): i for i, b in enumerate(model.blocks)}
+        fwd = [[idx.get(id(s), -1) for s in (b._get_fsdp_state()._states_to_forward_prefetch or [])]
+               for b in model.blocks]
+        bwd = [[idx.get(id(s), -1) for s in (b._get_fsdp_state()._states_to_backward_prefetch or [])]
+               for b in model.blocks]
+        plans.append((fwd, bwd))
+    return plans
 
 
 def _plan_mistake(i: int, got: list, want: list, depth: int, L: int, backward: bool) -> str:
     if i in got:
         return f"block {i} prefetches itself: it is already being gathered when its own hook runs"
+    if backward and not got and want and i - depth < 0:
+        return (f"a negative slice start wraps around: blocks[{i - depth}:{i}] is empty in Python; clip the start "
+                "at 0 (none before block 0, but the ones that exist)")
+    if not backward and want and got == want[:-1] and want[-1] == L - 1:
+        return (f"the last block is left out: block {L - 1} is the last, and a slice's end is exclusive (a slice "
+                "past the end simply stops there, no need to clip it below L)")
     if sorted(got) == sorted(want):
         return "the right blocks in the wrong order: backward reaches i-1 first, then i-2 (nearest first)"
     if backward and got and all(j > i for j in got):
@@ -173,22 +212,34 @@ def _plan_mistake(i: int, got: list, want: list, depth: int, L: int, backward: b
 
 
 @exercise("04", 'set_prefetch', cell='def set_prefetch(', hints=HINTS['set_prefetch'], tests=TESTS['set_prefetch'],
-          mistakes={'backward in forward order': 'backward runs the blocks in reverse'})
+          mistakes={'backward in forward order': 'backward runs the blocks in reverse',
+                    'depth ignored': 'use `depth`, not a fixed number', 'prefetches itself': 'prefetches itself',
+                    'wraps around': 'wraps around past the last block', 'far first': 'nearest first',
+                    'every block': 'prefetching every block holds them all',
+                    'negative start': 'clip the start at 0', 'last block left out': 'the last block is left out'},
+          guards=("argument", "boundary"))
 def check_prefetch_plan(fn, depth: int = 2, world_size: int = 4, name: str = "set_prefetch") -> bool:
-    """``fn(model, depth)``: block i prefetches blocks i+1..i+depth in forward, i-1..i-depth in backward."""
+    """``fn(model, depth)``: block i prefetches blocks i+1..i+depth in forward, i-1..i-depth in backward;
+    tried with ``depth`` and with ``depth + 1`` (the argument must matter)."""
     from course_lib.launch import run
     cfg = GPTConfig(seq_len=31, d_ff=199, n_layers=5)
+    L = cfg.n_layers
     with checks.check(name, tests=TESTS[name]) as c:
-        fwd, bwd = run(_plan_on_rank, fn, cfg, depth, world_size=world_size)[0]
-        L = cfg.n_layers
+        depths = (depth, depth + 1)
+        plans = run(_plan_on_rank, fn, cfg, depths, world_size=world_size)[0]
+        for d, (fwd, bwd) in zip(depths, plans):
+            want_f = [list(range(i + 1, min(i + 1 + d, L))) for i in range(L)]
+            want_b = [list(range(i - 1, max(i - 1 - d, -1), -1)) for i in range(L)]
+            for i in range(L):
+                if fwd[i] != want_f[i]:
+                    raise AssertionError(f"depth={d}: block {i} prefetches {fwd[i]} in forward, expected blocks "
+                                         f"{want_f[i]}\n   likely mistake: "
+                                         f"{_plan_mistake(i, fwd[i], want_f[i], d, L, False)}")
+                if bwd[i] != want_b[i]:
+                    raise AssertionError(f"depth={d}: block {i} prefetches {bwd[i]} in backward, expected blocks "
+                                         f"{want_b[i]}\n   likely mistake: "
+                                         f"{_plan_mistake(i, bwd[i], want_b[i], d, L, True)}")
         want_f = [list(range(i + 1, min(i + 1 + depth, L))) for i in range(L)]
         want_b = [list(range(i - 1, max(i - 1 - depth, -1), -1)) for i in range(L)]
-        for i in range(L):
-            if fwd[i] != want_f[i]:
-                raise AssertionError(f"block {i} prefetches {fwd[i]} in forward, expected blocks {want_f[i]}\n"
-                                     f"   likely mistake: {_plan_mistake(i, fwd[i], want_f[i], depth, L, False)}")
-            if bwd[i] != want_b[i]:
-                raise AssertionError(f"block {i} prefetches {bwd[i]} in backward, expected blocks {want_b[i]}\n"
-                                     f"   likely mistake: {_plan_mistake(i, bwd[i], want_b[i], depth, L, True)}")
         c.ok(f"{L} blocks: forward prefetch {want_f[0]} from block 0, backward {want_b[-1]} from block {L - 1}")
     return bool(c.passed)

@@ -33,11 +33,13 @@ HINTS = {
 }
 
 TESTS = {
-    "fsdp_spec": "11 shapes: kernels, biases, a size exactly at min_size, dimensions 8 does not divide, 3-D, "
-                 "a scalar, and selective sharding with min_size=32768; the PartitionSpec each one gets",
+    "fsdp_spec": "11 shapes, some over 2, 4 and 8 devices: kernels, biases, a size exactly at min_size, "
+                 "dimensions 8 does not divide, 3-D (the largest dimension that divides is not the last), a scalar, "
+                 "and selective sharding with min_size=32768; the PartitionSpec each one gets",
     "gather_pair": "under jax.shard_map on 8 devices: the forward's per-device shape and values (the full "
-                   "weight on every device), the backward's per-device shape (one shard), and the gradient "
-                   "shards against the single-device gradient of the same mean loss",
+                   "weight on every device), the backward's per-device shape (one shard), both along dim 0 and "
+                   "dim 1, the gradient shards against the single-device gradient of the same mean loss, and "
+                   "the collectives in the program (one all-gather, one reduce-scatter)",
 }
 
 
@@ -59,11 +61,52 @@ _SPEC_CASES = [  # (shape, n, min_size, expected tuple, what it tests)
     ((), 8, MIN_SIZE, (), "a scalar"),
     ((64, 512), 8, 32768, (AXIS,), "selective: a 32768-element table passes min_size=32768"),
     ((64, 256), 8, 32768, (), "selective: a 16384-element kernel stays replicated"),
+    ((12, 96, 40), 8, MIN_SIZE, (None, AXIS), "3-D: dims 1 and 2 both divide, dim 1 is the larger"),
+    ((30, 64), 2, MIN_SIZE, (AXIS,), "the same kernel over 2 devices: dim 0 divides"),
+    ((12, 40, 96), 4, MIN_SIZE, (AXIS,), "the same 3-D shape over 4 devices: dim 0 divides"),
 ]
 
 
+def _spec_mistake(shape, n, min_size, got, want) -> str | None:
+    """What differs between ``got`` and ``want`` (normalised tuples), said as the likely mistake."""
+    import math
+
+    from course_lib.strategies.fsdp.jax import fsdp_spec
+    size = math.prod(shape)
+    ref = lambda **kw: _norm(fsdp_spec(shape, kw.get("n", n), min_size=kw.get("min_size", min_size)))  # noqa: E731
+    cut = [d for d, a in enumerate(got) if a is not None]
+    if min_size != MIN_SIZE and got == ref(min_size=MIN_SIZE) != want:
+        return (f"that is the answer for the default min_size={MIN_SIZE}: use the argument `min_size` (selective "
+                "sharding passes a larger one)")
+    if got and size < min_size:
+        return f"{size} elements is below the threshold min_size={min_size}: replicate it, P()"
+    if not got and want and size == min_size:
+        return f"exactly min_size={min_size} elements counts as large: shard it (size >= min_size, not >)"
+    if cut and (len(cut) > 1 or cut[0] >= len(shape) or shape[cut[0]] % n):
+        d = cut[0]
+        return (f"dim {d} ({shape[d] if d < len(shape) else '?'}) does not divide by n={n}, and NamedSharding does "
+                "not pad: cut a dimension that n divides, or replicate")
+    if n != 8 and got == ref(n=8) != want:
+        return f"that is the answer for 8 devices, not n={n}: use the argument `n`"
+    d_want = next((d for d, a in enumerate(want) if a is not None), None)
+    if not got and d_want is not None:
+        return (f"dim {d_want} ({shape[d_want]}) divides by n={n}: try the other dimensions when dim 0 does not "
+                "(the largest first) before replicating")
+    if cut and d_want is not None and cut[0] != d_want:
+        if d_want == 0:
+            return f"dim 0 ({shape[0]}) divides by n={n}: cut dim 0 first (FSDP2's Shard(0)), whatever the others"
+        return (f"dims {cut[0]} ({shape[cut[0]]}) and {d_want} ({shape[d_want]}) both divide by n={n}: cut "
+                "the largest other dimension that divides")
+    return None
+
+
 @exercise("05", 'fsdp_spec', cell='def my_fsdp_spec(', hints=HINTS['fsdp_spec'], tests=TESTS['fsdp_spec'],
-          mistakes={'cut that does not divide': 'does not divide'})
+          mistakes={'cut that does not divide': 'does not divide', 'no threshold': 'below the threshold',
+                    'strict threshold': 'size >= min_size, not >', 'n ignored': 'use the argument `n`',
+                    'min_size ignored': 'use the argument `min_size`', 'dim 0 only': 'try the other dimensions',
+                    'not the largest': 'the largest other dimension that divides',
+                    'not dim 0 first': 'cut dim 0 first', 'not a PartitionSpec': 'return a PartitionSpec'},
+          guards=("argument", "boundary"))
 def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
     """Exercise check: ``fn(shape, n, min_size=...)`` returns the PartitionSpec :func:`fsdp_spec` gives."""
     from jax.sharding import PartitionSpec
@@ -73,24 +116,81 @@ def check_spec_rule(fn, name: str = "fsdp_spec") -> bool:
             if not isinstance(got, PartitionSpec):
                 raise AssertionError(f"{name}({shape}, n={n}) returned {got!r}; return a PartitionSpec, e.g. P('fsdp')")
             if _norm(got) != want:
-                raise AssertionError(f"{name}({shape}, n={n}, min_size={min_size}) = {got}, want P{want!r}: {why}")
-        c.ok(f"{len(_SPEC_CASES)} shapes placed like the reference rule")
+                likely = _spec_mistake(shape, n, min_size, _norm(got), want)
+                raise AssertionError(f"{name}({shape}, n={n}, min_size={min_size}) = {got}, want P{want!r}"
+                                     + (f"\n   likely mistake: {likely}" if likely else f": {why}"))
+        c.ok(f"{len({shape for shape, *_ in _SPEC_CASES})} shapes placed like the reference rule")
     return bool(c.passed)
 
 
-def _per_device_shapes(fwd, bwd, mesh, w):
-    """The shapes one device gets from ``fwd`` (its shard -> ?) and ``bwd`` (a full-size cotangent -> ?)."""
+def _per_device(fwd, bwd, mesh, full, shard, dim):
+    """``fwd`` (one device's shard -> ?) and ``bwd`` (one device's full-size cotangent -> ?) under shard_map, as
+    functions of every device's input stacked on a leading axis."""
     import jax
     from jax.sharding import PartitionSpec as P
+    f = jax.shard_map(lambda ws: fwd(ws[0], dim)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    b = jax.shard_map(lambda g: bwd(g[0], dim)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     n = mesh.shape[AXIS]
-    f = jax.shard_map(lambda ws: fwd(ws, 0)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    b = jax.shard_map(lambda g: bwd(g[0], 0)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    fs = jax.eval_shape(f, jax.ShapeDtypeStruct(w.shape, w.dtype)).shape[1:]
-    bs = jax.eval_shape(b, jax.ShapeDtypeStruct((n, *w.shape), w.dtype)).shape[1:]
-    return tuple(fs), tuple(bs)
+    return f, b, jax.ShapeDtypeStruct((n, *shard), np.float32), jax.ShapeDtypeStruct((n, *full), np.float32)
 
 
-def _shape_mistake(fs, bs, full, shard, n) -> str | None:
+def _per_device_shapes(fwd, bwd, mesh, full, shard, dim=0):
+    """The shapes one device gets from ``fwd`` (its shard -> ?) and ``bwd`` (a full-size cotangent -> ?)."""
+    import jax
+    f, b, fin, bin_ = _per_device(fwd, bwd, mesh, full, shard, dim)
+    return tuple(jax.eval_shape(f, fin).shape[1:]), tuple(jax.eval_shape(b, bin_).shape[1:])
+
+
+#: The collectives a jaxpr can hold (``pvary`` and ``axis_index`` move nothing).
+_COLLECTIVES = ("all_gather", "reduce_scatter", "psum", "psum_invariant", "psum2", "pmax", "pmin", "ppermute",
+                "all_to_all", "pbroadcast")
+
+
+def _collectives(fn, arg) -> list[str]:
+    """The collectives in the program ``fn(arg)`` traces to, in order."""
+    import re
+
+    import jax
+    text = str(jax.make_jaxpr(fn)(arg))
+    return [op.replace("psum_invariant", "psum").replace("psum2", "psum")
+            for op in re.findall(r"= (\w+)\[", text) if op in _COLLECTIVES]
+
+
+def _forward_cost_mistake(ops: list) -> str | None:
+    """The forward must be one all-gather: anything else costs more, and may change the gradient too."""
+    if ops == ["all_gather"]:
+        return None
+    if any(op.startswith("psum") for op in ops) and "all_gather" not in ops:
+        why = ("forward summed (psum) a zero-filled full buffer holding the shard: 2× the bytes of an all_gather "
+               "for the same weight, and its result is replicated, so JAX sums its cotangent over the devices "
+               "once more (the gradient comes out N× too large)")
+    else:
+        why = "one all_gather, tiled along `dim`, and nothing else"
+    return (f"the forward runs {ops or 'no collective'}; FSDP's forward is one all_gather\n"
+            f"   likely mistake: {why}")
+
+
+def _backward_cost_mistake(ops: list) -> str | None:
+    """Right values; are they computed by one reduce-scatter?"""
+    if ops == ["reduce_scatter"]:
+        return None
+    if any(op.startswith("psum") for op in ops) and "reduce_scatter" not in ops:
+        why = ("backward all-reduced the whole gradient (psum) and kept a slice: that moves 2× the bytes of a "
+               "psum_scatter, and every device holds the whole summed gradient")
+    else:
+        why = "one psum_scatter, tiled along `dim`, and nothing else"
+    return (f"the values are right, but the backward runs {ops or 'no collective'}; FSDP's backward is one "
+            f"reduce_scatter (psum_scatter)\n   likely mistake: {why}")
+
+
+def _shape_mistake(fs, bs, full, shard, n, dim=0, bwd_ops=()) -> str | None:
+    if dim and fs != full and len(fs) == len(full) and fs[0] == n * shard[0] and fs[1:] == shard[1:]:
+        return (f"with dim={dim} one device got shape {fs} from its shard {shard}, the blocks joined along dim 0; "
+                f"the full weight is {full}\n   likely mistake: use the argument `dim` (the weight is cut along "
+                "`dim`; gather along it)")
+    if dim and fs == full and len(bs) == len(shard) and bs[0] == full[0] // n and bs[1:] == full[1:]:
+        return (f"with dim={dim} the backward gave shape {bs}, scattered along dim 0; the shard is {shard}\n"
+                "   likely mistake: use the argument `dim` (scatter along the dimension the weight is cut on)")
     if fs != full:
         if fs == (n, *shard):
             why = "the blocks were stacked on a new axis: tiled=True concatenates them along `dim`"
@@ -101,9 +201,12 @@ def _shape_mistake(fs, bs, full, shard, n) -> str | None:
         return (f"forward: one device got shape {fs} from its shard {shard}; the full weight is {full}\n"
                 f"   likely mistake: {why}")
     if bs != shard:
-        if bs == full:
-            why = ("it returns the full gradient's shape: a device keeps only its own block of the SUM; "
-                   "psum sums but does not scatter, use the collective that sums AND keeps one block")
+        if bs == full and not bwd_ops:
+            why = ("it returns the full gradient unchanged: the backward runs no collective, but a device must "
+                   "end with its own block of the SUM over devices: one collective that sums AND keeps one block")
+        elif bs == full:
+            why = (f"it returns the full gradient's shape ({', '.join(bwd_ops)}): psum sums but does not scatter, "
+                   "every device keeps the whole sum; use the collective that sums AND keeps one block")
         elif len(bs) == len(shard) and bs[0] == full[0]:
             why = "scattered along the wrong dimension: scatter along `dim`, the one the weight is cut on"
         else:
@@ -124,7 +227,14 @@ def _divided_in_backward(n: int):
 
 
 @exercise("05", 'gather_pair', cell='def gather_weight(', hints=HINTS['gather_pair'], tests=TESTS['gather_pair'],
-          mistakes={'psum instead of psum_scatter': 'psum sums but does not scatter'})
+          mistakes={'psum instead of psum_scatter': 'psum sums but does not scatter',
+                    'psum then slice': '2× the bytes of a psum_scatter', 'psum as a gather': '2× the bytes of an all_gather',
+                    'dim ignored': 'use the argument `dim`', 'untiled gather': 'tiled=True concatenates',
+                    'gathered on the wrong dim': 'gathered along the wrong dimension',
+                    'scattered on the wrong dim': 'scattered along the wrong dimension',
+                    'divided in the backward': 'the loss already carries the ÷N',
+                    'no sum': 'sum over devices is missing', 'no collective in backward': 'the backward runs no collective'},
+          guards=("argument", "cost"))
 def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
     """Exercise check: ``gather_vjp(fwd, bwd)`` under shard_map gives every device the full weight, and
     the gradient shards of the global mean loss (what one device computes with the whole batch)."""
@@ -141,15 +251,25 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
     def no_sum(got, exp):
         if np.allclose(got, local, rtol=1e-4, atol=1e-7):
             return "got is each device's slice of its OWN gradient: the sum over devices is missing (psum_scatter)"
+    full1, shard1 = (16, 8 * n), (16, 8)                             # a weight cut along dim 1
     with checks.check(name, tests=TESTS["gather_pair"]) as c:
         try:
-            fs, bs = _per_device_shapes(fwd, bwd, mesh, w)
+            fs, bs = _per_device_shapes(fwd, bwd, mesh, w.shape, (8, 24))
+            f, b, fin, bin_ = _per_device(fwd, bwd, mesh, w.shape, (8, 24), 0)
+            fwd_ops, bwd_ops = _collectives(f, fin), _collectives(b, bin_)
+            wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n, bwd_ops=bwd_ops)
+            if not wrong:
+                fs1, bs1 = _per_device_shapes(fwd, bwd, mesh, full1, shard1, dim=1)
+                wrong = _shape_mistake(fs1, bs1, full1, shard1, n, dim=1)
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001 - an axis or argument mistake: JAX's own words, then ours
-            raise AssertionError(f"JAX rejected it: {type(e).__name__}: {str(e).splitlines()[0][:300]}\n   likely "
-                                 "mistake: collectives over the mesh axis 'fsdp', along dimension `dim`") from None
-        wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n)
+            raise AssertionError(f"your code raised {type(e).__name__} under jax.shard_map: "
+                                 f"{str(e).splitlines()[0][:300]}\n   likely mistake: collectives over the mesh axis "
+                                 "'fsdp', along dimension `dim`") from None
+        if wrong:
+            raise AssertionError(wrong)
+        wrong = _forward_cost_mistake(fwd_ops)
         if wrong:
             raise AssertionError(wrong)
         gather = gather_vjp(fwd, bwd)
@@ -163,7 +283,8 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
         except Exception as e:  # a shape or axis mistake: JAX's own words, then ours (a stub's error passes)
             if isinstance(e, NotImplementedError):
                 raise
-            raise AssertionError(f"JAX rejected it: {type(e).__name__}: {str(e).splitlines()[0][:300]}\n   hint: "
+            raise AssertionError(f"your code raised {type(e).__name__} under jax.jit: "
+                                 f"{str(e).splitlines()[0][:300]}\n   hint: "
                                  "forward all_gather(.., axis=dim, tiled=True) returns the full weight; backward "
                                  "psum_scatter(.., scatter_dimension=dim, tiled=True) a shard's shape") from None
         checks.assert_close("forward: the gathered weight on every device", np.asarray(fulls),
@@ -171,6 +292,9 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
         checks.assert_close("backward: the gradient shards", np.asarray(grad), ref, rtol=1e-5, atol=1e-7,
                             hint=[_divided_in_backward(n), no_sum, checks.summed_not_averaged(n),
                                   checks.wrong_shard_offset(n)])
+        wrong = _backward_cost_mistake(bwd_ops)
+        if wrong:
+            raise AssertionError(wrong)
         c.ok(f"all {n} devices see the full weight; gradient shards (one per device, shape (8, 24)) equal the "
              "single-device gradient")
     return bool(c.passed)
