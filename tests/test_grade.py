@@ -1,10 +1,12 @@
 """``python -m course_lib grade`` on a class folder: every kind of submission gets its verdict, in time, and
 nothing is left running.
 
-The reports stay in ``test-artifacts/grade/``. The class (Lab 02, the quickest lab): alice solved it; bob counts views twice in ``storage_bytes`` (a wrong
-answer of tests/test_labs_wrong_answers.py); carol handed in the lab as shipped; dave's ``storage_bytes``
-raises and his notebook kills its kernel further down; frank's ``storage_bytes`` never returns; erin's file
-is broken JSON. Run through the real command line, two at a time, as an instructor would.
+The reports stay in ``test-artifacts/grade/``. The class (Lab 02, the quickest lab): bob solved
+``sharded_step``, counts views twice in ``storage_bytes`` (a wrong answer of tests/test_labs_wrong_answers.py) and
+left ``gather / free`` as shipped; dave's ``storage_bytes`` raises and his notebook kills its kernel further down;
+frank's ``storage_bytes`` never returns, and he left the rest as shipped; erin's file is broken JSON. Run through the
+real command line, two at a time, as an instructor would. (Three notebooks run: each one executes the whole lab,
+and the suite's time is the course's budget; every verdict is still met at least once.)
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from test_labs_wrong_answers import WRONG
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "labs" / "02_memory.ipynb"
 SOLUTION = ROOT / "solutions" / "02_memory.ipynb"
-CELL_S, NOTEBOOK_S = 45, 240     # generous: the machine may be busy (a lab cell takes < 5 s when idle)
+CELL_S, NOTEBOOK_S = 30, 240     # generous: the machine may be busy (a lab cell takes < 5 s when idle)
 ARTIFACTS = ROOT / "test-artifacts" / "grade"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,10 +71,9 @@ def _ours() -> list[int]:
 def graded(tmp_path_factory):
     cls = tmp_path_factory.mktemp("class")
     wrong = next(src for lab, name, *_, src in WRONG if (lab, name) == ("02", "storage_bytes"))
+    untouched_gather = next(c.source for c in _lab().cells if c.cell_type == "code" and "def gather(" in c.source)
     notebooks = {
-        "alice": _solved(),
-        "bob": _with(_solved(), "def storage_bytes(", wrong),
-        "carol": _lab(),
+        "bob": _with(_with(_solved(), "def storage_bytes(", wrong), "def gather(", untouched_gather),
         "dave": _with(_with(_lab(), "def storage_bytes(", "def storage_bytes(tensors):\n    return 1 // 0\n"),
                       "def gather(", "import os\nos._exit(3)   # the kernel dies here\n"),
         "frank": _with(_lab(), "def storage_bytes(", "def storage_bytes(tensors):\n    while True:\n        pass\n"),
@@ -101,10 +102,8 @@ def _verdicts(rows, learner):
 def test_each_submission_gets_its_verdicts(graded):
     result, _, rows, _ = graded
     assert result.returncode == 1, result.stdout + result.stderr          # 1: a file was refused (erin)
-    assert _verdicts(rows, "alice") == {n: ("solved", "") for n in ("storage_bytes", "sharded_step", "gather / free")}
-    bob = _verdicts(rows, "bob")
-    assert bob["storage_bytes"] == ("wrong", "views counted twice") and bob["sharded_step"] == ("solved", "")
-    assert set(_verdicts(rows, "carol").values()) == {("not attempted", "")}
+    assert _verdicts(rows, "bob") == {"storage_bytes": ("wrong", "views counted twice"),
+                                      "sharded_step": ("solved", ""), "gather / free": ("not attempted", "")}
     dave = {r["item"]: r for r in rows if r["learner"] == "dave" and r["kind"] == "exercise"}
     assert dave["storage_bytes"]["verdict"] == "crashed" and "ZeroDivisionError" in dave["storage_bytes"]["detail"]
     assert dave["gather / free"]["verdict"] == "crashed" and "kernel died" in dave["gather / free"]["detail"]
@@ -118,7 +117,7 @@ def test_each_submission_gets_its_verdicts(graded):
 
 def test_predictions_are_reported(graded):
     _, _, rows, _ = graded
-    preds = [r for r in rows if r["learner"] == "carol" and r["kind"] == "prediction"]
+    preds = [r for r in rows if r["learner"] == "bob" and r["kind"] == "prediction"]
     assert [(r["item"], r["verdict"]) for r in preds] == [("model state after one Adam step", "none")]
 
 
@@ -135,8 +134,8 @@ def test_within_the_limits_and_nothing_left_running(graded):
 def test_both_reports_are_written(graded):
     _, _, _, out = graded
     html = (out / "report.html").read_text(encoding="utf-8")
-    for needle in ("alice", "frank", "views counted twice", "broken JSON", "storage_bytes", "what to re-teach"):
+    for needle in ("bob", "frank", "views counted twice", "broken JSON", "storage_bytes", "what to re-teach"):
         assert needle in html
     assert "<script" not in html and "http" not in html                    # self-contained
     assert sorted(p.name for p in (out / "notebooks").iterdir()) == [f"{n}_{LAB.name}" for n in
-                                                                     ("alice", "bob", "carol", "dave", "frank")]
+                                                                     ("bob", "dave", "frank")]
