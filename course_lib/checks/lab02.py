@@ -266,7 +266,7 @@ def _gather_free_on_rank(gather, free) -> dict:
     return out
 
 
-def _own_shard_everywhere(shard, n: int) -> checks.Detector:
+def _own_shard_everywhere(shard, n: int) -> _checks.Detector:
     import numpy as np
     mine = np.tile(np.asarray(shard), n)
 
