@@ -181,6 +181,10 @@ def ring_bytes(op, V, N):
 def ring_bytes(op, V, N):
     return 2 * V if op == "all_reduce" else V        # the large-N limit: N never used
 """, _RING, "the large-N limit, whatever N"),
+    Wrong("00", "ring_bytes", "argument", "V ignored", """\
+def ring_bytes(op, V, N):
+    return (2 if op == "all_reduce" else 1) * (N - 1) / N    # the fraction of V, never times V
+""", _RING, "returns the fraction of V"),
     Wrong("00", "ring_bytes", "crash", "crash", """\
 def ring_bytes(op, V, N):
     return (2 if op == "all_reduce" else 1) * (N - 1) / N * V / (N - 1) * (N - 1) if N > 1 else V / (N - 1)
