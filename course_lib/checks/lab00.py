@@ -82,11 +82,40 @@ def _ops(ledger, phase) -> list[str]:
     return [r.op for r in ledger.filter(phase=phase, rank=0)]
 
 
+def _cost_problem(records, numel: int, n: int, call: str) -> str | None:
+    """What is wrong with how one call computed its (right) values, from rank 0's ledger records: the op
+    kinds, then the bytes, compared with a reduce-scatter + all-gather of ``V = numel`` floats."""
+    ops = [r.op for r in records]
+    v = numel * 4
+    sent = sum(wire_bytes(r.op, r.nbytes, r.group_size) for r in records)
+    best = wire_bytes("all_reduce", v, n)
+    if "all_reduce" in ops:
+        return (f"the values are right, but {call} called all_reduce itself (rank 0 issued {ops}); build it "
+                "from its two halves, a reduce-scatter then an all-gather, in every case")
+    whole = [r for r in records if r.op == "all_gather" and r.nbytes >= n * v]
+    if whole and "reduce_scatter" not in ops:
+        return (f"the values are right, but {call} gathered every rank's whole tensor (an all_gather of "
+                f"{whole[0].nbytes} bytes = N × V) and summed locally: {sent:g} bytes sent per rank where "
+                f"a reduce-scatter + all-gather sends {best:g}, and every rank holds N copies")
+    if ops != ["reduce_scatter", "all_gather"]:
+        return (f"the values are right, but for {call} rank 0 issued {ops}: {sent:g} bytes sent per rank; "
+                f"expected exactly one reduce_scatter then one all_gather ({best:g} bytes)")
+    if sent > best * (1 + 1e-9):
+        return (f"the values are right, but {call} sent {sent:g} bytes per rank where a reduce-scatter + "
+                f"all-gather of V = {v} bytes sends {best:g}: a collective moved more than the tensor")
+    return None
+
+
 @exercise("00", 'my_all_reduce', cell='def my_all_reduce(', hints=HINTS['my_all_reduce'],
-          mistakes={'averaged twice': 'averaged twice'})
+          guards=("argument", "cost"),
+          mistakes={'averaged twice': 'averaged twice', 'shard not gathered': 'all-gather it first',
+                    'input gathered': 'the all-gather was fed the input', 'shifted shards': 'shifted by',
+                    'mean ignored': 'summed instead of averaging',
+                    'all_reduce called': 'called all_reduce itself',
+                    'whole tensors gathered': "gathered every rank's whole tensor"})
 def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_all_reduce") -> bool:
     """Exercise check: ``fn(x, mean=False)`` on every rank equals ``dist.all_reduce(x)`` (÷N if mean),
-    and is built from a reduce-scatter and an all-gather (read from the ledger)."""
+    and is built from a reduce-scatter and an all-gather (read from the ledger), for the sum and the mean."""
     from course_lib.launch import run
 
     with checks.check(name, tests=f"on {world_size} ranks, sum and mean=True equal dist.all_reduce, and the ledger "
@@ -102,13 +131,11 @@ def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_a
                                 rtol=1e-5, atol=1e-5,
                                 hint=[checks.summed_not_averaged(n), checks.averaged_twice(n),
                                       checks.wrong_shard_offset(n)])
+        for phase, call in (("sum", f"{name}(x)"), ("mean", f"{name}(x, mean=True)")):
+            problem = _cost_problem(list(result.ledger.filter(phase=phase, rank=0)), numel, n, call)
+            if problem:
+                raise AssertionError(problem)
         ops = _ops(result.ledger, "sum")
-        if "all_reduce" in ops:
-            raise AssertionError(f"the values are right, but rank 0 called all_reduce itself (ops: {ops}); "
-                                 "build it from dist.reduce_scatter_tensor + dist.all_gather_into_tensor")
-        if ops.count("reduce_scatter") != 1 or ops.count("all_gather") != 1:
-            raise AssertionError(f"the values are right, but rank 0 issued {ops}; expected exactly one "
-                                 "reduce_scatter then one all_gather")
         v = numel * 4
         c.ok(f"matches dist.all_reduce on {n} ranks (sum and mean); ledger: {' + '.join(ops)}, "
              f"{2 * wire_bytes('all_gather', v, n):g} wire bytes per rank = all-reduce's "
@@ -153,8 +180,32 @@ def _diagnose(fn, op, v, n, got, exp) -> str:
     return "compare with the table above the exercise"
 
 
-@exercise("00", 'ring_bytes', cell='def ring_bytes(', hints=HINTS['ring_bytes'],
-          mistakes={"broadcast as the root's bytes": 'only the root sends all of V'})
+def _ignored(fn) -> str | None:
+    """An argument ``fn`` never looks at: its bytes do not change when that argument does (while the
+    reference's do), over a grid of every op, several N > 1 and several V."""
+    ns, vs = (2, 3, 4, 8), (96, 4096)
+    try:
+        table = {(op, v, n): float(fn(op, v, n)) for op in RING_OPS for v in vs for n in ns}
+    except Exception:                                 # noqa: BLE001 - the cases above report the answer itself
+        return None
+    same = lambda a, b: math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)  # noqa: E731
+    if all(same(table[(op, v, n)], table[(RING_OPS[0], v, n)]) for op in RING_OPS for v in vs for n in ns):
+        return ("your answer gives the same bytes for every op: `op` is never used, but all-reduce runs two "
+                "ring phases where the other three run one")
+    if all(same(table[(op, v, n)], table[(op, v, ns[0])]) for op in RING_OPS for v in vs for n in ns):
+        return ("your answer gives the same bytes for every N: `N` is never used, but each rank sends N-1 "
+                "chunks of V/N, which depends on N")
+    if all(same(table[(op, v, n)], table[(op, vs[0], n)]) for op in RING_OPS for v in vs for n in ns):
+        return "your answer gives the same bytes for every V: the cost must grow with the payload V"
+    return None
+
+
+@exercise("00", 'ring_bytes', cell='def ring_bytes(', hints=HINTS['ring_bytes'], guards=("boundary", "argument"),
+          mistakes={'op ignored': '`op` is never used', 'N ignored': '`N` is never used',
+                    'V ignored': 'must grow with the payload V', 'N = 1': 'with one rank nothing leaves the device',
+                    "broadcast as the root's bytes": 'only the root sends all of V',
+                    'broadcast total': 'what all ranks send together', 'whole V per step': 'not the whole V',
+                    'one step': 'that is one ring step', 'not a number': 'return a number of bytes'})
 def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
     """Exercise check: ``fn(op, V, N)`` equals :func:`course_lib.maths.costs.wire_bytes` for the ring ops."""
     with checks.check(name, tests="the per-rank bytes of all four ring ops for N = 1, 2, 3, 4, 8 and several V") as c:
@@ -163,15 +214,30 @@ def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
             if got is None or not isinstance(got, (int, float, np.floating, np.integer)):
                 raise AssertionError(f"{name}({op!r}, V={v}, N={n}) returned {got!r}; return a number of bytes")
             if not math.isclose(float(got), exp, rel_tol=1e-9, abs_tol=1e-9):
+                ignored = _ignored(fn) if n > 1 else None
                 raise AssertionError(f"{name}({op!r}, V={v}, N={n}) = {float(got):g}, expected {exp:g}\n"
-                                     f"   likely mistake: {_diagnose(fn, op, v, n, float(got), exp)}")
+                                     + (f"   likely mistake: {ignored}\n" if ignored else "")
+                                     + f"   {'also' if ignored else 'likely mistake'}: "
+                                       f"{_diagnose(fn, op, v, n, float(got), exp)}")
         c.ok(f"{len(_CASES)} cases match costs.wire_bytes (4 ops, N = 1, 2, 3, 4, 8)")
     return bool(c.passed)
 
 
 # -- exercise 3: the same composition in JAX, under shard_map --------------------------------------------
-@exercise("00", 'jax_all_reduce', cell='def jax_all_reduce(', hints=HINTS['jax_all_reduce'],
-          mistakes={'stacked gather': 'all_gather without tiled=True'})
+def _averaged(n: int) -> checks.Detector:
+    """got = expected / n where the exercise asks for the sum."""
+    def detect(got, exp):
+        if np.any(exp != 0) and np.allclose(got, exp / n, rtol=1e-4, atol=1e-6):
+            return (f"got is expected ÷{n} → a mean (pmean, or a division by the device count) where the "
+                    "exercise asks for the sum over devices")
+    return detect
+
+
+@exercise("00", 'jax_all_reduce', cell='def jax_all_reduce(', hints=HINTS['jax_all_reduce'], guards=("cost",),
+          mistakes={'stacked gather': 'all_gather without tiled=True',
+                    'shard not gathered': "the reduce-scatter's output was not all-gathered",
+                    'averaged': 'where the exercise asks for the sum', 'psum': 'a psum (one all-reduce)',
+                    'whole blocks gathered': "gathers every device's whole block"})
 def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce") -> bool:
     """Exercise check: ``fn(block)`` under ``jax.shard_map`` over ``mesh``'s one axis equals the sum
     of all devices' blocks on every device, and compiles to a reduce-scatter and an all-gather."""
@@ -206,11 +272,22 @@ def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce"
         for d in range(n):
             checks.assert_close(f"{name} on device {d}", per_device[d], ref, rtol=1e-5, atol=1e-4,
                                 hint=[checks.wrong_shard_offset(n), checks.skipped_collective(list(blocks)),
-                                      checks.averaged_twice(n)])
-        ops = [r.op for r in from_compiled(f.lower(x).compile(), mesh)]
-        if "all_reduce" in ops or sorted(ops) != ["all_gather", "reduce_scatter"]:
-            raise AssertionError(f"the values are right, but the compiled program issues {ops}; expected "
-                                 "one reduce_scatter and one all_gather (psum_scatter, then all_gather, "
-                                 "both tiled=True), not psum")
+                                      _averaged(n)])
+        records = list(from_compiled(f.lower(x).compile(), mesh))
+        ops, v = [r.op for r in records], numel * 4
+        sent = sum(wire_bytes(r.op, r.nbytes, r.group_size) for r in records)
+        if "all_reduce" in ops:
+            raise AssertionError(f"the values are right, but the compiled program issues {ops}: a psum (one "
+                                 "all-reduce), not the exercise's two halves, a reduce-scatter then an all-gather")
+        whole = [r for r in records if r.op == "all_gather" and r.nbytes >= n * v]
+        if whole and "reduce_scatter" not in ops:
+            raise AssertionError(f"the values are right, but the compiled program issues {ops}: it gathers every "
+                                 f"device's whole block ({whole[0].nbytes} bytes = N × the block) and sums "
+                                 f"locally, {sent:g} bytes sent per device where a reduce-scatter + all-gather "
+                                 f"sends {wire_bytes('all_reduce', v, n):g}")
+        if sorted(ops) != ["all_gather", "reduce_scatter"] or sent > wire_bytes("all_reduce", v, n) * (1 + 1e-9):
+            raise AssertionError(f"the values are right, but the compiled program issues {ops} ({sent:g} bytes "
+                                 f"sent per device); expected one reduce_scatter and one all_gather of the block "
+                                 f"({wire_bytes('all_reduce', v, n):g} bytes)")
         c.ok(f"equals psum on all {n} devices; compiled HLO: reduce-scatter + all-gather")
     return bool(c.passed)

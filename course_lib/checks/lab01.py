@@ -78,71 +78,172 @@ def _grads_on_rank(fn, batch: int) -> dict:
             "local": local, "weights_same": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))}
 
 
+def _hard_coded_n(res, world_size: int, assumed: int) -> str | None:
+    """On ``world_size`` ranks the gradients came out ``world_size / assumed`` × the mean: divided by a fixed
+    ``assumed`` instead of the group's size."""
+    import numpy as np
+    got, ref = np.asarray(res[0]["got"][0]), np.asarray(res[0]["ref"][0])
+    if np.allclose(got, ref * world_size / assumed, rtol=1e-4, atol=1e-7):
+        return (f"on {world_size} ranks the gradients are {world_size}/{assumed} of the mean: you divided by "
+                f"{assumed} whatever the world size; divide by the number of ranks in the group, asked at run time")
+    return None
+
+
 @exercise("01", 'average_gradients', cell='def average_gradients(', hints=HINTS['average_gradients'],
-          mistakes={'summed, not averaged': 'summed instead of averaging'})
+          guards=("argument",),
+          mistakes={'world size hard-coded': 'whatever the world size',
+                    'summed, not averaged': 'summed instead of averaging', 'averaged twice': 'averaged twice',
+                    'never all-reduced': 'divided but never all-reduced', 'nothing done': 'collective was skipped',
+                    'stepped': 'weights changed'})
 def check_average_gradients(fn, world_size: int = 4, batch: int = 12, name: str = "average_gradients") -> bool:
     """Exercise check: after ``fn(model)`` on every rank, each ``p.grad`` is the gradient of the whole
-    batch (computed by one process), on every rank, for a 17x257x5 MLP."""
+    batch (computed by one process), on every rank, for a 17x257x5 MLP; on ``world_size`` ranks, then on
+    a second world size (2, or 3 when ``world_size`` is 2), so that a world size written in does not pass."""
     import numpy as np
 
     from course_lib import checks
     from course_lib.launch import run
     names = [n for n, _ in _awkward_mlp().named_parameters()]
-    with checks.check(name, tests='after one backward on 4 ranks, every gradient equals the whole-batch gradient (the mean over ranks, not the sum) on every rank') as c:
-        res = run(_grads_on_rank, fn, batch, world_size=world_size)
-        for r in range(world_size):
-            if not res[r]["weights_same"]:
-                raise AssertionError(f"rank {r}'s weights changed: average the gradients only; the step comes later")
-            for i, pname in enumerate(names):
-                local = [res[q]["local"][i] for q in range(world_size)]
-                no_comm = lambda g, e, mine=local[r].numpy() / world_size: (  # noqa: E731
-                    "got is this rank's own gradient ÷N → you divided but never all-reduced"
-                    if np.allclose(g, mine, rtol=1e-4, atol=1e-7) else None)
-                summed = lambda g, e: (  # noqa: E731  (loose: a sum in another order differs in the last bits)
-                    f"got is {world_size}× expected → you summed instead of averaging (forgot ÷{world_size})"
-                    if np.allclose(g, world_size * e, rtol=1e-3, atol=1e-6) else None)
-                checks.assert_close(f"{pname}.grad", res[r]["got"][i], res[r]["ref"][i], rtol=1e-5, atol=1e-6, rank=r,
-                                    hint=[summed, checks.averaged_twice(world_size), checks.skipped_collective(local),
-                                          no_comm])
-        ops = res.ledger.filter(rank=0).counts()
+    other = 3 if world_size == 2 else 2
+    with checks.check(name, tests=f'after one backward on {world_size} ranks, then on {other}, every gradient equals the whole-batch gradient (the mean over ranks, not the sum) on every rank') as c:
+        for ws in (world_size, other):
+            res = run(_grads_on_rank, fn, batch, world_size=ws)
+            wrong_n = _hard_coded_n(res, ws, world_size) if ws != world_size else None
+            if wrong_n:
+                raise AssertionError(wrong_n)
+            for r in range(ws):
+                if not res[r]["weights_same"]:
+                    raise AssertionError(f"rank {r}'s weights changed: average the gradients only; the step comes later")
+                for i, pname in enumerate(names):
+                    local = [res[q]["local"][i] for q in range(ws)]
+                    no_comm = lambda g, e, mine=local[r].numpy() / ws: (  # noqa: E731
+                        "got is this rank's own gradient ÷N → you divided but never all-reduced"
+                        if np.allclose(g, mine, rtol=1e-4, atol=1e-7) else None)
+                    summed = lambda g, e, ws=ws: (  # noqa: E731  (loose: a sum in another order differs in the last bits)
+                        f"got is {ws}× expected → you summed instead of averaging (forgot ÷{ws})"
+                        if np.allclose(g, ws * e, rtol=1e-3, atol=1e-6) else None)
+                    checks.assert_close(f"{pname}.grad (on {ws} ranks)", res[r]["got"][i], res[r]["ref"][i],
+                                        rtol=1e-5, atol=1e-6, rank=r,
+                                        hint=[summed, checks.averaged_twice(ws), checks.skipped_collective(local),
+                                              no_comm])
+            if ws == world_size:
+                ops = res.ledger.filter(rank=0).counts()
         c.ok(f"every rank holds the whole-batch gradient; rank 0 issued {dict(ops)} for {len(names)} tensors")
     return bool(c.passed)
 
 
+def _greedy(sizes: list, cap: int, *, forward: bool = False, close_at_cap: bool = False,
+            check_after: bool = False) -> list[list[int]]:
+    """Indices of the buckets a greedy walk makes (``sizes`` in bytes, in parameter order): the exercise's
+    rule by default; each keyword is one classic departure from it, to name a mistake by what it produces."""
+    order = range(len(sizes)) if forward else range(len(sizes) - 1, -1, -1)
+    out, cur, size = [], [], 0
+    for i in order:
+        if check_after:
+            cur.append(i)
+            size += sizes[i]
+            if size > cap:
+                out.append(cur)
+                cur, size = [], 0
+            continue
+        if cur and (size + sizes[i] >= cap if close_at_cap else size + sizes[i] > cap):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += sizes[i]
+    return out + ([cur] if cur else [])
+
+
+_BUCKET_CASES = [   # (numels, dtypes or None for float32, cap_bytes)
+    ((10, 10, 30, 5), None, 64), ((17 * 257, 257, 5 * 257, 5), None, 4096), ((3, 4, 5), None, 10**6),
+    ((8, 8, 8, 8), None, 32),
+    ((8, 8, 16), None, 64),        # two 32-byte tensors fill a 64-byte bucket exactly: one bucket, not two
+    ((4, 100), None, 64),          # the first tensor walked (400 bytes) is bigger than the cap: alone, no empty bucket
+    ((12, 4, 8, 2), ("bfloat16", "float32", "bfloat16", "float64"), 48),   # bytes per element differ
+]
+
+
+def _itemsizes(dtypes) -> list[int]:
+    return [torch.empty(0, dtype=getattr(torch, d)).element_size() for d in dtypes]
+
+
+#: Classic departures from the rule, each as what it would produce on a case (numels, itemsizes, cap), and
+#: the likely mistake it names. A departure is named only when it reproduces the answer on EVERY case.
+_BUCKET_DEPARTURES = [
+    (lambda k, e, cap: _greedy([a * b for a, b in zip(k, e)], cap, forward=True),
+     "backward produces gradients last layer first: walk the parameters in reverse"),
+    (lambda k, e, cap: _greedy([4 * a for a in k], cap),
+     "every element counted as 4 bytes: the bytes per element depend on the dtype (element_size())"),
+    (lambda k, e, cap: _greedy(list(k), cap),
+     "a bucket exceeds cap_bytes: sizes counted in elements, not bytes (bytes = elements × bytes per element)"),
+    (lambda k, e, cap: _greedy([a * b for a, b in zip(k, e)], cap, check_after=True),
+     "a bucket exceeds cap_bytes: the tensor was added before checking the cap, so the bucket overflows"),
+    (lambda k, e, cap: _greedy([a * b for a, b in zip(k, e)], cap, close_at_cap=True),
+     "a bucket may hold exactly cap_bytes ('at most'): close it only when the next tensor would go *over* the "
+     "cap (>, not >=)"),
+    (lambda k, e, cap: [list(range(len(k) - 1, -1, -1))],
+     "everything in one bucket in every case, whatever cap_bytes: cap_bytes is never used"),
+]
+
+
+def _bucket_mistake(runs, bad: int) -> str:
+    """The likely mistake, from the answers to every case (``runs``: (numels, dtypes, cap, got, expected)
+    index buckets); ``bad`` is the first case that differs."""
+    numels, dtypes, cap, got_i, exp_i = runs[bad]
+    nbytes = [k * e for k, e in zip(numels, _itemsizes(dtypes))]
+    flat = [i for b in got_i for i in b]
+    if any(len(b) == 0 for b in got_i):
+        return ("an empty bucket: a tensor bigger than the cap closed a bucket that held nothing; close the "
+                "current bucket only when it holds something")
+    if sorted(flat) != list(range(len(numels))):
+        return "every parameter must be in exactly one bucket (return the parameters themselves)"
+    for produce, why in _BUCKET_DEPARTURES:
+        if all(got == produce(k, _itemsizes(d), c) for k, d, c, got, _ in runs):
+            return why
+    if any(len(b) > 1 and sum(nbytes[i] for i in b) > cap for b in got_i):
+        return "a bucket exceeds cap_bytes (bytes = elements × bytes per element)"
+    return "compare your buckets with the expected ones above, tensor by tensor"
+
+
 @exercise("01", 'make_buckets', cell='def my_make_buckets(', hints=HINTS['make_buckets'],
-          mistakes={'forward order': 'reverse', 'exact fit split': "a bucket may hold exactly cap_bytes"})
+          guards=("boundary", "argument"),
+          mistakes={'empty bucket': 'an empty bucket', 'lost parameter': 'exactly one bucket',
+                    'forward order': 'walk the parameters in reverse', 'dtype ignored': 'depend on the dtype',
+                    'cap ignored': 'cap_bytes is never used', 'over the cap': 'a bucket exceeds cap_bytes',
+                    'exact fit split': "a bucket may hold exactly cap_bytes"})
 def check_make_buckets(fn, name: str = "make_buckets") -> bool:
-    """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy)."""
+    """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy),
+    on float32 and mixed-dtype parameters, an exact fit and a tensor bigger than the cap."""
     from course_lib import checks
-    cases = [((10, 10, 30, 5), 64), ((17 * 257, 257, 5 * 257, 5), 4096), ((3, 4, 5), 10**6), ((8, 8, 8, 8), 32),
-             ((8, 8, 16), 64)]   # the last: two 32-byte tensors fill a 64-byte bucket exactly, and may
     with checks.check(name, tests='buckets in reverse parameter order, each at most cap_bytes (a bigger tensor alone), covering every parameter once') as c:
-        for numels, cap in cases:
-            ps = [torch.zeros(k, requires_grad=True) for k in numels]
+        runs = []                                  # every case's answer first: a mistake is named from all of them
+        for numels, dtypes, cap in _BUCKET_CASES:
+            dtypes = dtypes or ("float32",) * len(numels)
+            ps = [torch.zeros(k, dtype=getattr(torch, d), requires_grad=True) for k, d in zip(numels, dtypes)]
             got = fn(ps, cap)
             idx = {id(p): i for i, p in enumerate(ps)}
-            got_i = [[idx.get(id(p), -1) for p in b] for b in got]
-            exp_i = [[idx[id(p)] for p in b] for b in make_buckets(ps, cap)]
-            if got_i == exp_i:
-                continue
-            msg = f"{name}(numels={list(numels)}, cap_bytes={cap}) gave buckets of tensors {got_i}, expected {exp_i}"
-            flat = [i for b in got_i for i in b]
-            if sorted(flat) != list(range(len(ps))):
-                msg += "\n   likely mistake: every parameter must be in exactly one bucket (return the parameters themselves)"
-            elif flat == sorted(flat):
-                msg += "\n   likely mistake: backward produces gradients last layer first: walk the parameters in reverse"
-            elif any(len(b) > 1 and sum(4 * numels[i] for i in b) > cap for b in got_i):
-                msg += "\n   likely mistake: a bucket exceeds cap_bytes (bytes = numel * element_size(), 4 for float32)"
-            elif any(sum(4 * numels[i] for i in b) == cap for b in exp_i if len(b) > 1):
-                msg += ("\n   likely mistake: a bucket may hold exactly cap_bytes ('at most'): close it only when the "
-                        "next tensor would go *over* the cap (>, not >=)")
-            raise AssertionError(msg)
-        c.ok(f"{len(cases)} cases match (reverse order, greedy, a big tensor alone)")
+            try:
+                got_i = [[idx.get(id(p), -1) for p in b] for b in got]
+            except TypeError:
+                raise AssertionError(f"{name} returned {type(got).__name__}; return a list of buckets, each a list "
+                                     "of parameters") from None
+            runs.append((numels, dtypes, cap, got_i, [[idx[id(p)] for p in b] for b in make_buckets(ps, cap)]))
+        bad = next((i for i, run in enumerate(runs) if run[3] != run[4]), None)
+        if bad is not None:
+            numels, dtypes, cap, got_i, exp_i = runs[bad]
+            kinds = "" if len(set(dtypes)) == 1 and dtypes[0] == "float32" else f", dtypes={list(dtypes)}"
+            raise AssertionError(f"{name}(numels={list(numels)}{kinds}, cap_bytes={cap}) gave buckets of tensors "
+                                 f"{got_i}, expected {exp_i}\n   likely mistake: " + _bucket_mistake(runs, bad))
+        c.ok(f"{len(_BUCKET_CASES)} cases match (reverse order, greedy, a big tensor alone)")
     return bool(c.passed)
 
 
 @exercise("01", 'dp_value_and_grad', cell='def dp_value_and_grad(', hints=HINTS['dp_value_and_grad'],
-          mistakes={'pmean of the gradient': 'jax.grad already psums'})
+          guards=("cost",),
+          mistakes={'pmean of the gradient': 'jax.grad already psums', 'psum of the loss': 'pmean, not psum',
+                    'no collective': 'average the per-device losses', 'averaged twice': 'averaged twice',
+                    'batch gathered': 'gathers the batch',
+                    'extra all-reduce': 'a collective more than the one the backward pass inserts'})
 def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bool:
     """Exercise check: ``fn(loss_fn, params, x, y)`` inside ``jax.shard_map`` over ``mesh``'s axis (batch
     sharded, params replicated, default ``check_vma``) returns the whole batch's loss and gradient on
@@ -172,6 +273,11 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
         loss, grads = f(params, x, y)
         ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x, y)
         for d in range(n):
+            rows = slice(d * len(x) // n, (d + 1) * len(x) // n)
+            if np.allclose(np.asarray(loss)[d], loss_fn(params, x[rows], y[rows]), rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"loss on device {d} is the loss of its own {len(x) // n} rows, not the whole "
+                                     "batch's\n   likely mistake: no collective: average the per-device losses over "
+                                     "the mesh axis (and so the gradients)")
             if np.allclose(np.asarray(loss)[d], n * ref_loss, rtol=1e-5, atol=1e-6):
                 raise AssertionError(f"loss on device {d} is {n}x the whole batch's loss\n   likely mistake: psum "
                                      "SUMS the per-device losses (and so the gradients); the whole batch's loss is "
@@ -184,12 +290,26 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
                     raise AssertionError(f"grad[{k!r}] on device {d} is {n}x the whole-batch gradient\n{vma}")
                 checks.assert_close(f"grad[{k!r}] on device {d}", got, exp, rtol=1e-5, atol=1e-6,
                                     hint=[checks.averaged_twice(n)])
+        from course_lib.comm.jax_ledger import from_compiled
+        records = list(from_compiled(f.lower(params, x, y).compile(), mesh))
+        ops = [r.op for r in records]
+        need = 4 * (params["w"].size + params["b"].size + 1)       # the gradients and the loss, once
+        if any(op != "all_reduce" for op in ops):
+            raise AssertionError(f"the values are right, but the compiled program issues {ops}: it gathers the batch "
+                                 "(every device's rows), so every device computes the whole batch: no data "
+                                 "parallelism left, and the data crosses the wire. Keep each device on its own "
+                                 "rows; only the loss and the gradients need averaging")
+        if sum(r.nbytes for r in records) > need:
+            raise AssertionError(f"the values are right, but the compiled program all-reduces "
+                                 f"{sum(r.nbytes for r in records)} bytes ({ops}) where the gradients and the loss "
+                                 f"are {need}: a collective more than the one the backward pass inserts")
         c.ok(f"whole-batch loss and gradient on all {n} devices")
     return bool(c.passed)
 
 
-@exercise("01", 'device_key', cell='def device_key(', hints=HINTS['device_key'],
-          mistakes={'same key everywhere': 'drew the same mask'})
+@exercise("01", 'device_key', cell='def device_key(', hints=HINTS['device_key'], guards=("argument",),
+          mistakes={'same key everywhere': 'drew the same mask', 'key ignored': 'ignores the key it is given',
+                    'another derivation': 'not the masks the course expects'})
 def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
     """Exercise check: ``fn(key)`` inside ``shard_map`` gives device ``d`` the key ``fold_in(key, d)``."""
     import jax
@@ -204,14 +324,20 @@ def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
         return jax.random.bernoulli(fn(k), 0.5, (1, 64))
 
     with checks.check(name, tests='every device gets a different key, the same call twice gives the same keys, and it depends on the key given') as c:
-        got = np.asarray(jax.jit(jax.shard_map(masks, mesh=mesh, in_specs=P(), out_specs=P(axis)))(key))
+        draw = jax.jit(jax.shard_map(masks, mesh=mesh, in_specs=P(), out_specs=P(axis)))
+        got = np.asarray(draw(key))
         ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, d), 0.5, (64,))) for d in range(n)])
         if all((got[d] == got[0]).all() for d in range(n)):
-            raise AssertionError(f"all {n} devices drew the same mask: the key must depend on "
-                                 f"jax.lax.axis_index({axis!r}), or every device drops the same units")
+            raise AssertionError(f"all {n} devices drew the same mask: the key must depend on which device this "
+                                 f"is (its index along the mesh axis {axis!r}), or every device drops the same units")
+        if (np.asarray(draw(jax.random.key(7))) == got).all():
+            raise AssertionError(f"given key(42) and then key(7), the masks came out identical: your answer "
+                                 "ignores the key it is given (it makes a new one); derive each device's key from "
+                                 "the key passed in, so that a new seed gives new masks")
         if not (got == ref).all():
-            raise AssertionError("masks differ per device (good), but are not those of "
-                                 f"jax.random.fold_in(key, jax.lax.axis_index({axis!r})); use exactly that")
+            raise AssertionError("masks differ per device (good), but are not the masks the course expects: mix "
+                                 f"the device's index along {axis!r} into the given key with jax.random's "
+                                 "function for that, nothing else (no split, no offset)")
         c.ok(f"{n} devices, {n} different masks, each from fold_in(key, axis_index)")
     return bool(c.passed)
 

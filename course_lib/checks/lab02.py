@@ -65,8 +65,11 @@ def _storage_cases() -> list[tuple[str, list, int]]:
     ]
 
 
-@exercise("02", 'storage_bytes', cell='def storage_bytes(', hints=HINTS['storage_bytes'],
-          mistakes={'views counted twice': 'counts views twice'})
+@exercise("02", 'storage_bytes', cell='def storage_bytes(', hints=HINTS['storage_bytes'], guards=("boundary",),
+          mistakes={'views counted twice': 'counts views twice', 'elements, not bytes': 'a count of elements',
+                    'freed counted': 'a freed storage holds 0 bytes',
+                    'storage counted twice': 'counted more than once',
+                    'padding missed': "a view's own size is not what was allocated"})
 def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
     """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
     from course_lib import checks
@@ -79,11 +82,19 @@ def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
             msg = f"{name}({what}) = {got!r}, expected {expected} bytes"
             if got == naive:
                 msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
-                        "freed memory; count t.untyped_storage().nbytes() once per storage")
+                        "freed memory; count each distinct storage once, at the storage's own size")
             elif isinstance(got, int) and expected and got * 4 == expected and what != _storage_cases()[3][0]:
-                msg += ("\n   likely mistake: that is a count of elements; storage.nbytes() is already in bytes")
+                msg += ("\n   likely mistake: that is a count of elements; a storage's nbytes() is already in bytes")
+            elif expected == 0 and got:
+                msg += ("\n   likely mistake: a freed storage holds 0 bytes whatever the tensor's shape says: count "
+                        "what the storage holds now, not what the tensor's shape would need")
+            elif isinstance(got, int) and expected and got > expected and got % expected == 0:
+                msg += (f"\n   likely mistake: one storage counted more than once ({got // expected}×): tensors that "
+                        "view one storage start at different addresses; identify a storage by the storage's own "
+                        "address, not the tensor's")
             elif expected and got and got < expected:
-                msg += "\n   likely mistake: a view's own size is not what was allocated: use the whole storage's nbytes()"
+                msg += ("\n   likely mistake: a view's own size is not what was allocated (padding, the rest of the "
+                        "buffer): use the whole storage's nbytes()")
             raise AssertionError(msg)
         c.ok(f"{len(_storage_cases())} cases: views counted once, padding counted, freed storage = 0 bytes")
     return bool(c.passed)
@@ -130,19 +141,23 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _overlap_watch:
-    """Records every all-gather whose input overlaps its output (gloo happens to tolerate it; NCCL
-    reads a buffer it is writing, which is undefined). Wraps the shim's and torch.distributed's entry points."""
+    """Records every all-gather or reduce-scatter whose input overlaps its output (gloo happens to tolerate
+    it; NCCL reads a buffer it is writing, which is undefined), as ``(op, input shape)``. Wraps the shim's
+    and torch.distributed's entry points."""
     def __enter__(self) -> list:
         from course_lib.comm import shim
         self.found, self.saved = [], []
-        for mod, attr in ((shim, "ALL_GATHER"), (dist, "all_gather_into_tensor"), (dist, "all_gather_single")):
+        for mod, attr, op in ((shim, "ALL_GATHER", "all_gather"), (dist, "all_gather_into_tensor", "all_gather"),
+                              (dist, "all_gather_single", "all_gather"), (shim, "REDUCE_SCATTER", "reduce_scatter"),
+                              (dist, "reduce_scatter_tensor", "reduce_scatter"),
+                              (dist, "reduce_scatter_single", "reduce_scatter")):
             orig = getattr(mod, attr, None)
             if orig is None:
                 continue
 
-            def wrapped(output, input, *a, _orig=orig, **k):
+            def wrapped(output, input, *a, _orig=orig, _op=op, **k):
                 if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor) and _overlap(output, input):
-                    self.found.append(tuple(input.shape))
+                    self.found.append((_op, tuple(input.shape)))
                 return _orig(output, input, *a, **k)
             self.saved.append((mod, attr, orig))
             setattr(mod, attr, wrapped)
@@ -153,49 +168,73 @@ class _overlap_watch:
             setattr(mod, attr, orig)
 
 
-@exercise("02", 'sharded_step', cell='def sharded_step(', hints=HINTS['sharded_step'],
-          mistakes={'gather into its own input': 'must not overlap'})
+@exercise("02", 'sharded_step', cell='def sharded_step(', hints=HINTS['sharded_step'], guards=("cost", "argument"),
+          mistakes={'world size hard-coded': 'whatever the world size',
+                    'summed, not averaged': 'summed instead of averaging', 'not gathered': 'were never updated',
+                    'no reduction': 'collective was skipped', 'all-reduce': 'an all_reduce moves the whole gradient',
+                    'gather into its own input': "the all-gather's input (shard_params) is a view of its output",
+                    'scatter into its own gradient': "the reduce-scatter writes into a view of its own input"})
 def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
     """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
-    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters."""
+    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters;
+    on ``world_size`` ranks, then on a second world size (2, or 3 when ``world_size`` is 2)."""
+    from course_lib import checks
+    from course_lib.launch import run
+    other = 3 if world_size == 2 else 2
+    with checks.check(name, tests=f"on {world_size} ranks, then on {other}: each rank's gradient shard is the mean over ranks, full_params equals one-process Adam afterwards, the ledger shows a reduce-scatter and an all-gather (no all-reduce), and the all-gather's input does not overlap its output") as c:
+        for ws in (world_size, other):
+            res = run(_sharded_step_on_rank, fn, world_size=ws)
+            _verify_sharded_step(res, ws, world_size)
+            S = res[0]["S"] if ws == world_size else S
+        c.ok(f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather")
+    return bool(c.passed)
+
+
+def _verify_sharded_step(res, ws: int, asked: int) -> None:
+    """Everything the check asserts about one run of the learner's step on ``ws`` ranks (``asked``: the
+    world size the lab runs; a second one catches a world size written into the answer)."""
     import numpy as np
 
     from course_lib import checks
-    from course_lib.launch import run
-    summed = lambda g, e: (f"got is {world_size}× expected → you summed instead of averaging (forgot ÷{world_size})"  # noqa: E731
-                           if np.allclose(g, world_size * e, rtol=1e-3, atol=1e-6) else None)  # loose: sum order
-    with checks.check(name, tests="on 4 ranks: each rank's gradient shard is the mean over ranks, full_params equals one-process Adam afterwards, the ledger shows a reduce-scatter and an all-gather (no all-reduce), and the all-gather's input does not overlap its output") as c:
-        res = run(_sharded_step_on_rank, fn, world_size=world_size)
-        S = res[0]["S"]
-        for r, o in enumerate(res):
-            if o["grad_shard"] is None:
-                raise AssertionError(f"rank {r}: shard_params.grad is None; set it to the averaged gradient shard")
-            local = [res[q]["local_grad"][r * S:(r + 1) * S] for q in range(world_size)]
-            checks.assert_close("shard_params.grad", o["grad_shard"], o["ref_grad"][r * S:(r + 1) * S], rtol=1e-5,
-                                atol=1e-6, rank=r, hint=[summed, checks.averaged_twice(world_size),
-                                                         checks.skipped_collective(local)])
-            stale = [q for q in range(world_size) if torch.equal(o["full"][q * S:(q + 1) * S], o["before"][q * S:(q + 1) * S])]
-            if 0 < len(stale) < world_size:
-                raise AssertionError(f"rank {r}: shards {stale} of full_params were never updated: all-gather "
-                                     "the updated shards into full_params after optimizer.step()")
-            checks.assert_close("full_params after the step", o["full"], o["ref_full"], rtol=1e-5, atol=1e-6, rank=r,
-                                hint=checks.not_updated(o["before"]))
-        bad = [r for r, o in enumerate(res) if o["overlaps"]]
+    summed = lambda g, e: (f"got is {ws}× expected → you summed instead of averaging (forgot ÷{ws})"  # noqa: E731
+                           if np.allclose(g, ws * e, rtol=1e-3, atol=1e-6) else None)  # loose: sum order
+    S = res[0]["S"]
+    for r, o in enumerate(res):
+        if o["grad_shard"] is None:
+            raise AssertionError(f"rank {r}: shard_params.grad is None; set it to the averaged gradient shard")
+        exp = o["ref_grad"][r * S:(r + 1) * S]
+        if ws != asked and np.allclose(o["grad_shard"], exp * ws / asked, rtol=1e-4, atol=1e-7) \
+                and not np.allclose(exp, 0):
+            raise AssertionError(f"on {ws} ranks, rank {r}'s gradient shard is {ws}/{asked} of the mean: you divided "
+                                 f"by {asked} whatever the world size; divide by the number of ranks in the group, "
+                                 "asked at run time")
+        local = [res[q]["local_grad"][r * S:(r + 1) * S] for q in range(ws)]
+        checks.assert_close(f"shard_params.grad (on {ws} ranks)", o["grad_shard"], exp, rtol=1e-5,
+                            atol=1e-6, rank=r, hint=[summed, checks.averaged_twice(ws),
+                                                     checks.skipped_collective(local)])
+        stale = [q for q in range(ws) if torch.equal(o["full"][q * S:(q + 1) * S], o["before"][q * S:(q + 1) * S])]
+        if 0 < len(stale) < ws:
+            raise AssertionError(f"rank {r}: shards {stale} of full_params were never updated: all-gather "
+                                 "the updated shards into full_params after optimizer.step()")
+        checks.assert_close(f"full_params after the step (on {ws} ranks)", o["full"], o["ref_full"], rtol=1e-5,
+                            atol=1e-6, rank=r, hint=checks.not_updated(o["before"]))
+    for op, what, whose in (("all_gather", "all-gather's input (shard_params) is a view of its output (full_params)",
+                             "gather from a copy of the shard"),
+                            ("reduce_scatter", "reduce-scatter writes into a view of its own input (full_grads)",
+                             "receive the shard into a new buffer")):
+        bad = [r for r, o in enumerate(res) if any(found[0] == op for found in o["overlaps"])]
         if bad:
-            raise AssertionError(f"the numbers are right, but on ranks {bad} the all-gather's input (shard_params) is "
-                                 "a view of its output (full_params): the collective reads memory it is overwriting. "
-                                 "gloo happens to cope; NCCL does not. The input must not overlap the output: "
-                                 "gather from a copy of the shard")
-        ops = res[0]["ops"]
-        if ops.count("all_reduce"):
-            raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: an all_reduce moves the whole "
-                                 "gradient to every rank; ZeRO needs a reduce_scatter (each rank keeps only its "
-                                 "shard of the gradient), then an all_gather of the updated shards")
-        if sorted(set(ops)) != ["all_gather", "reduce_scatter"]:
-            raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: ZeRO needs a reduce_scatter "
-                                 "(each rank keeps only its shard of the gradient) and an all_gather")
-        c.ok(f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather")
-    return bool(c.passed)
+            raise AssertionError(f"the numbers are right, but on ranks {bad} the {what}: the collective reads memory "
+                                 "it is overwriting. gloo happens to cope; NCCL does not. The input must not overlap "
+                                 f"the output: {whose}")
+    ops = res[0]["ops"]
+    if ops.count("all_reduce"):
+        raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: an all_reduce moves the whole "
+                             "gradient to every rank; ZeRO needs a reduce_scatter (each rank keeps only its "
+                             "shard of the gradient), then an all_gather of the updated shards")
+    if sorted(ops) != ["all_gather", "reduce_scatter"]:
+        raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: ZeRO needs one reduce_scatter "
+                             "(each rank keeps only its shard of the gradient) and one all_gather")
 
 
 def _gather_free_on_rank(gather, free) -> dict:
@@ -203,17 +242,46 @@ def _gather_free_on_rank(gather, free) -> dict:
     out = {"ref": model(x).detach()}
     unit = FlatUnit(list(model.parameters()), dist.get_rank(), dist.get_world_size(), sharded_params=True)
     out["padded_bytes"], p0 = unit.layout.padded_numel * 4, unit.params[0]
+    out["shard"], out["numel"] = unit.shard.detach().clone(), unit.full.numel()
     for i in range(2):                                   # gather, use, free -- twice, as two steps would
-        gather(unit.full, unit.shard)
+        try:
+            gather(unit.full, unit.shard)
+        except Exception as exc:
+            have = p0.untyped_storage().nbytes()
+            if have >= out["padded_bytes"] or type(exc).__name__ == "NotImplementedError":
+                raise
+            raise AssertionError(
+                f"gather #{i + 1} raised {type(exc).__name__} all-gathering into `full`: its storage holds {have} "
+                f"bytes but `full` needs {out['padded_bytes']} ({unit.full.numel()} elements × "
+                f"{unit.full.element_size()} bytes each); give the storage its size in bytes before "
+                "gathering into it") from None
         out[f"gathered{i}"] = p0.untyped_storage().nbytes()
+        out[f"full{i}"] = unit.full.detach().clone() if out[f"gathered{i}"] else None
         out[f"out{i}"] = model(x).detach() if out[f"gathered{i}"] else None
+        before = out[f"gathered{i}"]
         free(unit.full)
         out[f"freed{i}"] = p0.untyped_storage().nbytes()
+        out[f"zeroed{i}"] = bool(out[f"freed{i}"]) and not unit.full.detach().any().item()
+        out[f"untouched{i}"] = out[f"freed{i}"] == before and not out[f"zeroed{i}"]
     return out
 
 
-@exercise("02", 'gather / free', cell='def gather(', hints=HINTS['gather / free'],
-          mistakes={'name dropped, storage kept': 'release it'})
+def _own_shard_everywhere(shard, n: int) -> _checks.Detector:
+    import numpy as np
+    mine = np.tile(np.asarray(shard), n)
+
+    def detect(got, exp):
+        if got.shape == mine.shape and np.allclose(got, mine) and not np.allclose(exp, mine):
+            return ("every shard of `full` holds copies of this rank's own shard: the other ranks' shards "
+                    "never arrived; they come from a collective, in rank order")
+    return detect
+
+
+@exercise("02", 'gather / free', cell='def gather(', hints=HINTS['gather / free'], guards=("cost",),
+          mistakes={'storage too small': "but `full` needs", 'gathered elsewhere': 'refill that one',
+                    'no communication': "copies of this rank's own shard",
+                    'zeroed, storage kept': 'zeroing keeps the memory',
+                    'name dropped, storage kept': 'frees nothing while the parameters view it'})
 def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / free") -> bool:
     """Exercise check: ``gather(full, shard)`` refills the storage the parameters view and all-gathers
     into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
@@ -221,17 +289,25 @@ def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / f
     from course_lib.launch import run
     with checks.check(name, tests="twice in a row: after gather the parameters' storage is the full padded size and the model output is right; after free it is 0 bytes") as c:
         res = run(_gather_free_on_rank, gather, free, world_size=world_size)
+        flat = torch.cat([o["shard"] for o in res])                  # every rank's shard, in rank order
         for (r, o), i in ((ro, i) for ro in enumerate(res) for i in range(2)):
             if o[f"gathered{i}"] != o["padded_bytes"]:
                 raise AssertionError(f"rank {r}, gather #{i + 1}: the parameters' storage holds {o[f'gathered{i}']} "
                                      f"bytes, expected {o['padded_bytes']}: they are views of `full`'s storage, so "
-                                     "refill that one (full.untyped_storage().resize_(...)) and all-gather into `full`")
+                                     "refill that one: give it its size back and all-gather into `full` itself, "
+                                     "not into a new tensor")
+            checks.assert_close(f"`full` after gather #{i + 1}", o[f"full{i}"], flat, rtol=0, atol=0, rank=r,
+                                hint=[_own_shard_everywhere(o["shard"], world_size), checks.wrong_shard_offset(world_size)])
             checks.assert_close(f"model output after gather #{i + 1}", o[f"out{i}"], o["ref"], rtol=1e-5, atol=1e-6,
                                 rank=r, hint="all-gather every rank's shard into `full`, in rank order")
             if o[f"freed{i}"] != 0:
-                raise AssertionError(f"rank {r}, free #{i + 1}: the parameters' storage still holds {o[f'freed{i}']} "
-                                     "bytes; release it: full.untyped_storage().resize_(0)")
+                held = f"rank {r}, free #{i + 1}: the parameters' storage still holds {o[f'freed{i}']} bytes"
+                if o[f"zeroed{i}"]:
+                    raise AssertionError(f"{held}, all zeros: zeroing keeps the memory; release the storage itself "
+                                         "(make it hold 0 bytes), keeping the tensor")
+                if o[f"untouched{i}"]:
+                    raise AssertionError(f"{held}, untouched: dropping or rebinding a name frees nothing while the "
+                                         "parameters view it; release the storage itself (make it hold 0 bytes)")
+                raise AssertionError(f"{held}; release all of it: 0 bytes")
         c.ok(f"gathered {res[0]['padded_bytes']:,} bytes, output matches, freed to 0 bytes, twice")
     return bool(c.passed)
-
-
