@@ -229,6 +229,11 @@ def test_in_a_lab_a_crash_names_the_exception_and_folds_the_traceback(lab_mode, 
      "a storage that was freed"),
     ("AttributeError", "'FlatParam' object has no attribute 'set_view'", "misspelt name"),
     ("ValueError", "too many values to unpack", ""),
+    ("NameError", "Found an unbound axis name: data.", "an axis name the mesh does not have"),
+    ("AttributeError", "'NoneType' object has no attribute 'unshard'", "a value is None here"),
+    ("TypeError", "'NoneType' object is not iterable", "a value is None here"),
+    ("TypeError", "bad operand type for unary -: 'builtin_function_or_method'", "a method used without calling it"),
+    ("TypeError", "f() missing 1 required positional argument: 'y'", "arguments do not match"),
 ])
 def test_a_crash_names_its_likely_cause_from_type_and_message(kind, message, cause):
     from course_lib.checks.core import likely_cause
