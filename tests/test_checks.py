@@ -88,6 +88,13 @@ def test_generic_detectors_and_static_hints():
     before = EXPECTED - 1
     assert "the update was not applied" in failure(before, hint=not_updated(before))
     assert "\n   hint: check the learning rate" in failure(EXPECTED * 3, hint="check the learning rate")
+    assert "× expected everywhere → a wrong scale factor" in failure(EXPECTED * 3)
+
+
+def test_one_wrong_number_is_not_called_a_scale_factor():
+    """Any single wrong number has a ratio to the right one: that is no evidence of a scale factor."""
+    msg = failure(np.array([7.0]), np.array([3.0]))
+    assert "expected 3, got 7" in msg and "scale factor" not in msg
 
 
 def test_pytrees_by_key_and_index():

@@ -133,7 +133,9 @@ def _generic(got, exp):
     if got.ndim == 2 and got.shape[0] == got.shape[1] and _same(got, exp.T) and not _same(exp, exp.T):
         return "got is the transpose of expected → rows and columns swapped"
     nz = exp != 0
-    if nz.any() and np.all(np.isfinite(got)):
+    # One constant ratio is evidence of a scale factor only over several elements: any single wrong number
+    # has "a ratio" to the right one, and calling that a scale factor would name a cause nothing showed.
+    if nz.sum() >= 2 and np.all(np.isfinite(got)):
         ratio = got[nz] / exp[nz]
         if np.allclose(ratio, ratio.flat[0], rtol=1e-4) and not np.isclose(ratio.flat[0], 1) \
                 and _same(got[~nz], np.zeros_like(got[~nz])):
