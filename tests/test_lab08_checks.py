@@ -40,6 +40,15 @@ def test_compute_bound_batch_right(capsys):
     assert "✅ compute_bound_batch:" in capsys.readouterr().out
 
 
+def test_compute_bound_batch_pins_its_boundaries():
+    """The check's last two cases exist for the text's two boundaries: an exact tie (">=") and 4096 itself."""
+    (m, c, s, seq, ac), (m2, c2, s2, seq2, ac2) = lab08._EX2_CASES[-2:]
+    b = lab08.reference_compute_bound_batch(m, c, s, seq, ac)
+    p = planner.plan(m, c, s, b, seq_len=seq, checkpointing=ac)
+    assert p.compute_s == p.comm_s, "the tie case no longer ties: search a new link bandwidth"
+    assert lab08.reference_compute_bound_batch(m2, c2, s2, seq2, ac2) == lab08.LIMIT
+
+
 # -- exercise 3: plan_70b -----------------------------------------------------------------------------------
 def _plan(strategy="fsdp", batch=1, checkpointing="full", replicate=1, memory_bytes=None):
     p = planner.plan(planner.LLAMA3_70B, lab08.EX3_CLUSTER, strategy, batch, seq_len=lab08.EX3_SEQ,

@@ -404,7 +404,7 @@ _TP_CASES = [((64, 192), 4, 2), ((512, 64), 2, 4), ((64, 256), 8, 1), ((66, 64),
 @exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'], guards=("argument", "boundary"),
           mistakes={'cut over both axes on dim 0': 'over both axes', 'axes swapped': 'swaps the axes',
                     'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays',
-                    'MIN_SIZE excluded': 'at least MIN_SIZE', 'dims tested against the wrong axis': 'its own axis',
+                    'MIN_SIZE excluded': 'at least MIN_SIZE',
                     'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide'})
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
@@ -415,20 +415,15 @@ def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     with checks.check(name, tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor') (rows tested against "
                       "'fsdp', columns against 'tensor', MIN_SIZE elements exactly included), what cannot be cut "
                       "that way falls back to FSDP over 'fsdp', small arrays replicated") as c:
-        gots = [fn(shape, F, T) for shape, F, T in _TP_CASES]
-        wants = [tp_jax.fsdp_tp_spec(shape, F, T) for shape, F, T in _TP_CASES]
         both = P("fsdp", "tensor")
-        for (shape, F, T), got, want in zip(_TP_CASES, gots, wants):
+        for shape, F, T in _TP_CASES:
+            got, want = fn(shape, F, T), tp_jax.fsdp_tp_spec(shape, F, T)
             if got == want:
                 continue
             where = f"shape {shape} on a mesh (fsdp={F}, tensor={T}): got {got}, expected {want}"
             if want == both and math.prod(shape) == fsdp_jax.MIN_SIZE and got == fsdp_jax.fsdp_spec(shape, F):
                 why = (f"{shape} has exactly MIN_SIZE = {fsdp_jax.MIN_SIZE} elements: 'a 2-D array of at least "
                        "MIN_SIZE elements' includes it (>=, not >)")
-            elif want == both and any(g == w == both for g, w, (s, *_) in zip(gots, wants, _TP_CASES)
-                                      if math.prod(s) > fsdp_jax.MIN_SIZE) and got == fsdp_jax.fsdp_spec(shape, F):
-                why = (f"other kernels got P('fsdp', 'tensor'), this one fell back, yet its {shape[0]} rows divide "
-                       f"by fsdp={F} and its {shape[1]} columns by tensor={T}: test each dimension against its own axis")
             elif want == both:
                 why = tp_spec_mistake(got, shape, F, T)
             elif len(shape) == 2 and shape[0] % F == 0 and shape[1] % T:
