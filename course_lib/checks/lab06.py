@@ -83,56 +83,80 @@ def _shard_on_rank(fn, replicate: int, shard: int):
     return out
 
 
-@exercise("06", 'shard_hsdp', cell='def shard_hsdp(', hints=HINTS['shard_hsdp'],
-          mistakes={'axes swapped': 'axes are swapped', '1-D mesh': '1-D mesh', 'root never sharded': 'the root was never sharded'})
+@exercise("06", 'shard_hsdp', cell='def shard_hsdp(', hints=HINTS['shard_hsdp'], guards=("argument", "cost"),
+          mistakes={'axes swapped': 'axes are swapped', '1-D mesh': '1-D mesh', 'root never sharded': 'the root was never sharded',
+                    'arguments ignored': 'ignores its arguments', 'one unit': 'the whole model gathered at once',
+                    'names swapped': 'mesh_dim_names='})
 def check_hsdp_shard(fn, name: str = "shard_hsdp", replicate: int = 2, shard: int = 4) -> bool:
-    """``fn(model, replicate, shard) -> mesh``: HSDP on the course GPT, run on ``replicate · shard`` ranks."""
+    """``fn(model, replicate, shard) -> mesh``: HSDP on the course GPT, run on ``replicate · shard`` ranks, then
+    again with the factors exchanged (``shard · replicate``, the same ranks), so that each argument matters."""
     from course_lib.launch import run
     from course_lib.strategies.hsdp import torch as hsdp
     n = replicate * shard
-    with checks.check(name, tests=f"on {n} ranks as replicate={replicate}, shard={shard}: a mesh of shape "
-                      f"({replicate}, {shard}), every parameter a DTensor (Replicate(), Shard(0)), one unit "
+    meshes = [(replicate, shard)] + ([(shard, replicate)] if replicate != shard else [])
+    with checks.check(name, tests=f"on {n} ranks as replicate={replicate}, shard={shard} (then {shard} x {replicate}): "
+                      f"a mesh of shape ({replicate}, {shard}), every parameter a DTensor (Replicate(), Shard(0)), one unit "
                       "per block plus the root, all-gathers in groups of the shard factor") as c:
-        res = run(_shard_on_rank, fn, replicate, shard, world_size=n)
-        o = res[0]
+        first = None
+        for R, F in meshes:
+            o = run(_shard_on_rank, fn, R, F, world_size=n)[0]
+            _hsdp_mistake(o, R, F, n, first, hsdp.MESH_DIMS)
+            if first is None:
+                first, first_o = ((R, F), o["mesh"][0]), o
+        o = first_o
         want = str(("Replicate()", "Shard(dim=0)")).replace("'", "")
-        if o["mesh"] is None:
-            raise AssertionError("the function returned None: return the DeviceMesh you built")
-        shape, names = o["mesh"]
-        if shape == (shard, replicate) and replicate != shard:
-            raise AssertionError(f"mesh shape {shape}, expected ({replicate}, {shard}) → the axes are swapped: "
-                                 "FSDP2 replicates over mesh dim 0 and shards over dim 1, whatever the names say "
-                                 f"(your model would be cut {replicate} ways, not {shard})")
-        if len(shape) == 1:
-            raise AssertionError(f"a 1-D mesh of {shape[0]} ranks → that is FSDP over all {n} ranks; HSDP needs the "
-                                 f"2-D mesh ({replicate}, {shard})")
-        if shape != (replicate, shard):
-            raise AssertionError(f"mesh shape {shape}, expected (replicate, shard) = ({replicate}, {shard})")
-        if names and names != hsdp.MESH_DIMS:
-            raise AssertionError(f"mesh_dim_names={names}, expected {hsdp.MESH_DIMS} → FSDP2 uses dim 0 to replicate "
-                                 "and dim 1 to shard; name them so (the ledger reports collectives by these names)")
-        if o["plain"]:
-            root = [k for k in o["plain"] if not k.startswith("blocks.")]
-            hint = ("the root was never sharded: call fully_shard(model, mesh=mesh) after the blocks"
-                    if root and len(root) == len(o["plain"]) else "some modules were not passed to fully_shard")
-            raise AssertionError(f"{len(o['plain'])} parameter(s) are plain tensors, e.g. {o['plain'][0]} → {hint}")
-        bad = {k: v for k, v in o["placements"].items() if v != want}
-        if bad:
-            k, v = next(iter(bad.items()))
-            raise AssertionError(f"{k} has placements {v}, expected {want} → shard with fully_shard(..., mesh=mesh) "
-                                 "on the 2-D mesh (no custom placements)")
-        if o["units"] < LAB_CONFIG.n_layers + 1:
-            raise AssertionError(f"{o['units']} FSDP unit(s), expected {LAB_CONFIG.n_layers + 1} (each block, then "
-                                 "the root) → the root alone makes one unit: the whole model gathered at once; shard "
-                                 "bottom-up")
-        ag = [g for op, _, g, _ in o["ops"] if op == "all_gather"]
-        ar = [g for op, _, g, _ in o["ops"] if op == "all_reduce"]
-        if set(ag) != {shard} or set(ar) != {replicate}:
-            raise AssertionError(f"all-gathers over groups of {sorted(set(ag))} and all-reduces over {sorted(set(ar))} "
-                                 f"ranks, expected {shard} and {replicate}")
         c.ok(f"mesh ({replicate}, {shard}) named {hsdp.MESH_DIMS}; {len(o['placements'])} DTensors {want}; "
              f"{o['units']} units; all-gathers over {shard} ranks, all-reduces over {replicate}")
     return bool(c.passed)
+
+
+def _hsdp_mistake(o: dict, replicate: int, shard: int, n: int, first, mesh_dims) -> None:
+    """Raise the first thing wrong with one run of the learner's ``shard_hsdp(model, replicate, shard)``."""
+    want = str(("Replicate()", "Shard(dim=0)")).replace("'", "")
+    if o["mesh"] is None:
+        raise AssertionError("the function returned None: return the DeviceMesh you built")
+    shape, names = o["mesh"]
+    if first is not None and shape == first[1] and (replicate, shard) != first[0]:
+        raise AssertionError(f"replicate={replicate}, shard={shard} gave the mesh {shape}, the same as replicate="
+                             f"{first[0][0]}, shard={first[0][1]} → the mesh ignores its arguments: build its shape "
+                             "from replicate and shard")
+    if shape == (shard, replicate) and replicate != shard:
+        raise AssertionError(f"mesh shape {shape}, expected ({replicate}, {shard}) → the axes are swapped: "
+                             "FSDP2 replicates over mesh dim 0 and shards over dim 1, whatever the names say "
+                             f"(your model would be cut {replicate} ways, not {shard})")
+    if len(shape) == 1:
+        raise AssertionError(f"a 1-D mesh of {shape[0]} ranks → that is FSDP over all {n} ranks; HSDP needs the "
+                             f"2-D mesh ({replicate}, {shard})")
+    if shape != (replicate, shard):
+        raise AssertionError(f"mesh shape {shape}, expected (replicate, shard) = ({replicate}, {shard})")
+    if names and names != mesh_dims:
+        raise AssertionError(f"mesh_dim_names={names}, expected {mesh_dims} → FSDP2 uses dim 0 to replicate "
+                             "and dim 1 to shard; name them so (the ledger reports collectives by these names)")
+    if o["plain"]:
+        root = [k for k in o["plain"] if not k.startswith("blocks.")]
+        hint = ("the root was never sharded: call fully_shard(model, mesh=mesh) after the blocks"
+                if root and len(root) == len(o["plain"]) else "some modules were not passed to fully_shard")
+        raise AssertionError(f"{len(o['plain'])} parameter(s) are plain tensors, e.g. {o['plain'][0]} → {hint}")
+    if o["param_mesh"] and any(m != (replicate, shard) for m in o["param_mesh"]):
+        other = next(m for m in o["param_mesh"] if m != (replicate, shard))
+        kind = (f"a 1-D mesh of {other[0]} ranks: FSDP's traffic, every all-gather across all {other[0]} ranks"
+                if len(other) == 1 else f"a mesh of shape {other}")
+        raise AssertionError(f"you returned the mesh {shape}, but the parameters are sharded on {kind} → pass the "
+                             "2-D mesh you return to fully_shard (the values train the same; the bytes do not)")
+    bad = {k: v for k, v in o["placements"].items() if v != want}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise AssertionError(f"{k} has placements {v}, expected {want} → shard with fully_shard(..., mesh=mesh) "
+                             "on the 2-D mesh (no custom placements)")
+    if o["units"] < LAB_CONFIG.n_layers + 1:
+        raise AssertionError(f"{o['units']} FSDP unit(s), expected {LAB_CONFIG.n_layers + 1} (each block, then "
+                             "the root) → the root alone makes one unit: the whole model gathered at once; shard "
+                             "bottom-up")
+    ag = [g for op, _, g, _ in o["ops"] if op == "all_gather"]
+    ar = [g for op, _, g, _ in o["ops"] if op == "all_reduce"]
+    if set(ag) != {shard} or set(ar) != {replicate}:
+        raise AssertionError(f"all-gathers over groups of {sorted(set(ag))} and all-reduces over {sorted(set(ar))} "
+                             f"ranks, expected {shard} and {replicate}")
 
 
 # -- exercise 2: bytes per mesh axis ---------------------------------------------------------------------------
@@ -142,58 +166,87 @@ def reference_axis_bytes(psi_pad: int, replicate: int, shard: int, b: int = 4) -
     return {"shard": 3 * (F - 1) / F * psi_pad * b, "replicate": 2 * (R - 1) / R * psi_pad / F * b}
 
 
-_AXIS_CASES = [(147_000, 2, 4), (146_908, 4, 2), (100_000, 1, 8), (99_992, 8, 1), (1_200, 3, 4), (1_024, 2, 2)]
+#: (Ψpad, R, F, b): unequal R and F (swaps show), F = 1 and R = 1 (the boundaries), b = 2 (bf16) so b matters.
+_AXIS_CASES = [(147_000, 2, 4, 4), (146_908, 4, 2, 4), (100_000, 1, 8, 4), (99_992, 8, 1, 4), (1_200, 3, 4, 4),
+               (1_024, 2, 2, 4), (147_000, 2, 4, 2), (99_992, 8, 1, 2)]
 
 
-def _axis_mistake(fn, psi, R, F, got) -> str | None:
-    """Name the likely mistake by finding which wrong formula the learner's numbers match."""
-    N, b = R * F, 4
-    close = lambda a, e: abs(a - e) <= 1e-6 * max(1.0, abs(e))  # noqa: E731
-    s, r = got.get("shard"), got.get("replicate")
-    swapped = reference_axis_bytes(psi, F, R, b)
-    guesses = [
-        (lambda: R != F and close(s, swapped["shard"]) and close(r, swapped["replicate"]),
+def _axis_candidates() -> list:
+    """Classic wrong formulas ``(psi, R, F, b) -> {shard, replicate}``, each with the mistake it makes."""
+    ref = reference_axis_bytes
+
+    def one(shard=None, replicate=None):
+        return lambda p, R, F, b: {"shard": ref(p, R, F, b)["shard"] if shard is None else shard(p, R, F, b),
+                                   "replicate": ref(p, R, F, b)["replicate"] if replicate is None else replicate(p, R, F, b)}
+    return [
+        (lambda p, R, F, b: ref(p, F, R, b),
          "R and F swapped: the shard axis has the F ranks of a shard group, the replicate axis R"),
-        (lambda: close(r, 2 * (R - 1) / R * psi * b), "the all-reduce carries only the reduced shard, Ψpad/F "
-         "elements, not the whole Ψpad: each replica group sums one shard"),
-        (lambda: close(r, 2 * (N - 1) / N * psi / F * b), "the all-reduce runs over the R ranks of a replica group, "
-         "not over all N: use 2(R-1)/R"),
-        (lambda: close(s, 3 * (N - 1) / N * psi * b), "the shard axis's collectives run over the F ranks of a shard "
-         "group, not over all N: use (F-1)/F"),
-        (lambda: close(s, 2 * (F - 1) / F * psi * b), "with every unit resharded after forward, the backward "
-         "all-gathers again: 2 all-gathers + 1 reduce-scatter = 3(F-1)/F"),
-        (lambda: close(s, 4 * (F - 1) / F * psi * b), "the reduce-scatter is half an all-reduce: (F-1)/F, not "
-         "2(F-1)/F (the ring formula; gloo's implementation may send more)"),
-        (lambda: close(s, 3 * (F - 1) / F * psi) or close(r, 2 * (R - 1) / R * psi / F), "bytes, not elements: "
-         "multiply by b bytes per element"),
+        (lambda p, R, F, b: ref(p, R, F, 4), "b ignored: bytes per element are an argument (b = 2 for bf16): "
+         "multiply by b, not by 4"),
+        (lambda p, R, F, b: {k: v / b for k, v in ref(p, R, F, b).items()}, "bytes, not elements: multiply by b "
+         "bytes per element"),
+        (one(replicate=lambda p, R, F, b: 2 * (R - 1) / R * p * b), "the all-reduce carries only the reduced "
+         "shard, Ψpad/F elements, not the whole Ψpad: each replica group sums one shard"),
+        (one(replicate=lambda p, R, F, b: 2 * (R - 1) / R * p / R * b), "the all-reduce carries one shard, "
+         "Ψpad/F elements (F = shard, the ranks a copy is cut across), not Ψpad/R"),
+        (one(replicate=lambda p, R, F, b: 2 * (R * F - 1) / (R * F) * p / F * b), "the all-reduce runs over the "
+         "R ranks of a replica group, not over all N: use 2(R-1)/R"),
+        (one(shard=lambda p, R, F, b: 3 * (R * F - 1) / (R * F) * p * b), "the shard axis's collectives run over "
+         "the F ranks of a shard group, not over all N: use (F-1)/F"),
+        (one(shard=lambda p, R, F, b: 2 * (F - 1) / F * p * b), "with every unit resharded after forward, the "
+         "backward all-gathers again: 2 all-gathers + 1 reduce-scatter = 3(F-1)/F"),
+        (one(shard=lambda p, R, F, b: 4 * (F - 1) / F * p * b), "the reduce-scatter is half an all-reduce: "
+         "(F-1)/F, not 2(F-1)/F (the ring formula; gloo's implementation may send more)"),
     ]
-    try:
-        return next((why for test, why in guesses if test()), None)
-    except TypeError:
-        return None
 
 
-@exercise("06", 'axis_bytes', cell='def axis_bytes(', hints=HINTS['axis_bytes'],
-          mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again', 'half an all-reduce': 'half an all-reduce',
-                    'whole Ψ across replicas': 'reduced shard'})
+def _axis_mistake(cases, gots) -> str | None:
+    """The mistake whose formula gives the learner's numbers on *every* case (both axes), else what the cases
+    that went wrong have in common (only F = 1, or only R = 1: a boundary), else None."""
+    close = lambda a, e: abs(float(a) - e) <= 1e-6 * max(1.0, abs(e))  # noqa: E731
+    same = lambda got, want: all(close(got[k], want[k]) for k in want)  # noqa: E731
+    for formula, why in _axis_candidates():
+        if all(same(g, formula(*case)) for case, g in zip(cases, gots)):
+            return why
+    wrong = [case for case, g in zip(cases, gots) if not same(g, reference_axis_bytes(*case))]
+    if wrong and all(F == 1 for _, _, F, _ in wrong):
+        return ("right except at F = 1: a shard group of one rank moves nothing on the shard axis, but the R = N "
+                "copies still all-reduce the whole gradient on the replicate axis (F = 1 is DDP)")
+    if wrong and all(R == 1 for _, R, _, _ in wrong):
+        return ("right except at R = 1: one copy has no replica to all-reduce with (0 bytes on the replicate axis), "
+                "and its shard axis is FSDP over all N ranks")
+    return None
+
+
+@exercise("06", 'axis_bytes', cell='def axis_bytes(', hints=HINTS['axis_bytes'], guards=("argument", "boundary"),
+          mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again',
+                    'half an all-reduce': 'half an all-reduce', 'whole Ψ across replicas': 'reduced shard',
+                    'R and F swapped': 'R and F swapped', 'b ignored': 'b ignored', 'bytes not elements': 'bytes, not elements',
+                    'shard of Ψ/R': 'not Ψpad/R', 'shard axis over N': 'F ranks of a shard group',
+                    'F = 1 is DDP': 'F = 1 is DDP', 'R = 1 all-reduces': 'no replica to all-reduce with',
+                    'not a dict': 'return a dict'})
 def check_axis_bytes(fn, name: str = "axis_bytes") -> bool:
     """``fn(psi_pad, replicate, shard, b=4) -> {"shard": bytes, "replicate": bytes}`` per rank per step."""
     with checks.check(name, tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
-                      "including F = 1 and F = N, against the ring formulas") as c:
-        for psi, R, F in _AXIS_CASES:
-            got = fn(psi, R, F)
+                      "including F = 1 and F = N, and b = 2 as well as 4 bytes per element, against the ring "
+                      "formulas") as c:
+        gots = []
+        for psi, R, F, b in _AXIS_CASES:
+            got = fn(psi, R, F) if b == 4 else fn(psi, R, F, b)
             if not isinstance(got, dict) or set(got) != {"shard", "replicate"}:
-                raise AssertionError(f"{name}({psi}, {R}, {F}) returned {got!r}; return a dict with the keys "
-                                     "'shard' and 'replicate'")
-            want = reference_axis_bytes(psi, R, F)
+                raise AssertionError(f"{name}({psi}, {R}, {F}{'' if b == 4 else f', b={b}'}) returned {got!r}; "
+                                     "return a dict with the keys 'shard' and 'replicate'")
+            gots.append(got)
+        for (psi, R, F, b), got in zip(_AXIS_CASES, gots):
+            want = reference_axis_bytes(psi, R, F, b)
             wrong = [k for k in want if abs(float(got[k]) - want[k]) > 1e-6 * max(1.0, want[k])]
             if wrong:
-                why = _axis_mistake(fn, psi, R, F, got)
+                why = _axis_mistake(_AXIS_CASES, gots)
                 raise AssertionError(
-                    f"Ψpad={psi:,}, R={R}, F={F}: got {', '.join(f'{k} {float(got[k]):,.0f}' for k in wrong)}, "
+                    f"Ψpad={psi:,}, R={R}, F={F}, b={b}: got {', '.join(f'{k} {float(got[k]):,.0f}' for k in wrong)}, "
                     f"expected {', '.join(f'{k} {want[k]:,.0f}' for k in wrong)}"
                     + (f"\n   likely mistake: {why}" if why else ""))
-        c.ok(f"{len(_AXIS_CASES)} meshes (F = 1 and F = N included) match the ring formulas")
+        c.ok(f"{len({(R, F) for _, R, F, _ in _AXIS_CASES})} meshes (F = 1 and F = N included) match the ring formulas")
     return bool(c.passed)
 
 
@@ -215,47 +268,105 @@ _F_CASES = [  # (psi, world, per_node, budget bytes, bw_intra, bw_inter) -> the 
     (1_000_000_000, 16, 8, 4e9, 300 * GB, 25 * GB),      # F in {4, 8, 16} fit; 8 = a node: fewest bytes across
     (1_000_000_000, 16, 8, 1.5e9, 300 * GB, 25 * GB),    # only F = 16 fits: FSDP across both nodes
     (1_000_000_000, 16, 8, 64e9, 300 * GB, 25 * GB),     # all fit; F = 8 still wins: F = 1 all-reduces 4Ψ across
-    (1_000_000_000, 16, 8, 64e9, 300 * GB, 300 * GB),    # one flat fast network: F = 1 (DDP) moves the least
-    (2_000_000_000, 8, 8, 10e9, 300 * GB, 25 * GB),      # one node: F = 8 (FSDP inside it)
+    (1_000_000_000, 16, 8, 64e9, 100 * GB, 100 * GB),    # one flat network (not the 300 GB/s inside): F = 1 (DDP)
+    (2_000_000_000, 8, 4, 10e9, 300 * GB, 25 * GB),      # 4 GPUs a node: F = 4 (8 would cross), though 8 fits too
     (1_000_000_000, 16, 4, 0.5e9, 300 * GB, 25 * GB),    # nothing fits, not even F = 16: None
     (1_000_000_000, 16, 8, 2e9, 300 * GB, 25 * GB),      # 16Ψ/8 = 2 GB: F = 8 fits exactly ("fits" is <=)
 ]
+_F_ARGS = ("psi", "world", "per_node", "budget", "bw_intra", "bw_inter")
 
 
-@exercise("06", 'choose_f', cell='def choose_f(', hints=HINTS['choose_f'],
+def _choose_f_variant(psi, world, per_node, budget, bw_intra, bw_inter, *, strict=False, node_lt=False,
+                      no_replicate=False, pick=None):
+    """:func:`reference_choose_f` with one classic slip: ``strict`` (< budget), ``node_lt`` (F < per_node counts
+    as inside a node), ``no_replicate`` (the replicate all-reduce left out), ``pick`` ("smallest"/"largest" fit)."""
+    def t(F):
+        R = world // F
+        inside = F < per_node if node_lt else F <= per_node
+        rep = 0.0 if no_replicate or R == 1 else 2 * (R - 1) / R * 4 * psi / F / bw_inter
+        return 3 * (F - 1) / F * 4 * psi / (bw_intra if inside else bw_inter) + rep
+    fits = [F for F in range(1, world + 1) if world % F == 0 and (16 * psi / F < budget if strict else
+                                                                  16 * psi / F <= budget)]
+    if pick == "world":
+        return world
+    if not fits:
+        return None
+    if pick:
+        return {"smallest": fits[0], "largest": fits[-1]}.get(pick, world)
+    return min(fits, key=lambda F: (round(t(F), 12), F))
+
+
+_F_MISTAKES = [   # (how the slip is computed, what the ❌ line says)
+    ({"pick": "world"}, "F = N every time is plain FSDP: where a smaller F fits, its all-gathers need not cross the "
+                        "slow inter-node link; and where even F = N does not fit, return None"),
+    ({"strict": True}, "a factor whose 16Ψ/F is exactly the budget fits: 'fits' means at most the budget (<=, not <)"),
+    ({"node_lt": True}, "a shard group of exactly per_node ranks is one whole node: its collectives run on the "
+                        "fast links (F <= per_node is inside a node, not F < per_node)"),
+    ({"pick": "largest"}, "the most sharding that fits is plain FSDP (F = N) when the budget allows: its "
+                          "all-gathers cross the slow inter-node link; a smaller F that fits keeps them inside a node"),
+    ({"pick": "smallest"}, "the least sharding that fits is feasible, not the fastest: among the F that fit, pick "
+                           "the smallest predicted time"),
+    ({"no_replicate": True}, "the replicate axis's all-reduce (2(R-1)/R of Ψ/F elements, across nodes) is part of "
+                             "the predicted time too"),
+]
+
+
+def _choose_f_mistake(gots) -> str | None:
+    """Which slip gives the learner's answers on every case: a classic one, or an argument read as a constant."""
+    for kw, why in _F_MISTAKES:
+        if all(g == _choose_f_variant(*case, **kw) for case, g in zip(_F_CASES, gots)):
+            return why
+    for i, arg in enumerate(_F_ARGS):
+        for v in dict.fromkeys(case[i] for case in _F_CASES):
+            fixed = [reference_choose_f(*case[:i], v, *case[i + 1:]) for case in _F_CASES]
+            if all(g == f for g, f in zip(gots, fixed)):
+                return (f"your answers are those of {arg} = {v:g} in every case: the answer ignores its argument "
+                        f"`{arg}` (each argument changes the answer in some case)")
+    return None
+
+
+@exercise("06", 'choose_f', cell='def choose_f(', hints=HINTS['choose_f'], guards=("feasible", "boundary", "argument"),
           mistakes={'plain FSDP': 'plain FSDP', 'time not compared': 'predicted time',
-                    'exact fit refused': "'fits' means at most the budget"})
+                    'exact fit refused': "'fits' means at most the budget", 'full node counted across': 'one whole node',
+                    'argument ignored': 'ignores its argument', 'does not fit': 'does not fit',
+                    'not a divisor': 'must divide', 'None expected': 'return None'})
 def check_choose_f(fn, name: str = "choose_f") -> bool:
     """``fn(psi, world, per_node, budget, bw_intra, bw_inter) -> F or None``."""
-    with checks.check(name, tests="7 clusters and budgets (one an exact fit): the F that fits 16Ψ/F in the budget and moves a step's "
-                      "bytes fastest, None when nothing fits") as c:
-        for case in _F_CASES:
+    with checks.check(name, tests="7 clusters and budgets (one an exact fit, one with 4 GPUs a node, one flat "
+                      "network): the F that fits 16Ψ/F in the budget and moves a step's bytes fastest, None when "
+                      "nothing fits") as c:
+        gots = [fn(*case) for case in _F_CASES]
+        # a classic slip that gives every answer names the cause; else what is wrong with F itself (not a
+        # divisor, over the budget, not None), in any case; else the first wrong case, by its times
+        why = _choose_f_mistake(gots) if gots != [reference_choose_f(*case) for case in _F_CASES] else None
+        for case, got in zip(_F_CASES, gots):
             psi, world, per_node, budget, bwi, bwx = case
-            want = reference_choose_f(*case)
-            got = fn(*case)
-            if got == want:
-                continue
             where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
-                     f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={want}")
-            if want is None:
+                     f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={reference_choose_f(*case)}")
+            if why is not None and got != reference_choose_f(*case):
+                raise AssertionError(f"{where} → {why}")
+            if got is not None and reference_choose_f(*case) is None:
                 raise AssertionError(f"{where} → 16Ψ/F exceeds the budget for every F, even F = N: return None")
-            if got is not None and (not isinstance(got, int) or world % got):
+            if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1 or world % got):
                 raise AssertionError(f"{where} → F must divide N={world} (the mesh is R x F)")
             if got is not None and 16 * psi / got > budget:
                 raise AssertionError(f"{where} → F={got} does not fit: 16Ψ/F = {16 * psi / got / GB:g} GB > "
                                      f"{budget / GB:g} GB")
-            if 16 * psi / want == budget:
-                raise AssertionError(f"{where} → 16Ψ/F = {16 * psi / want / GB:g} GB for F={want} is exactly the "
-                                     "budget, and fits: 'fits' means at most the budget (<=, not <)")
-            if got == world:
-                raise AssertionError(f"{where} → F = N (plain FSDP) fits, but its all-gathers cross the slow "
-                                     "inter-node link; a smaller F that fits keeps them inside a node")
-            if got == per_node and want < per_node:
-                raise AssertionError(f"{where} → with links this fast across nodes, a smaller F that fits moves "
-                                     "fewer bytes per step: compare the predicted times, not the node size")
-            raise AssertionError(f"{where} → among the F that fit, pick the smallest predicted time "
-                                 "(shard-axis bytes at the link their group uses, plus the replicate all-reduce "
-                                 "across nodes)")
+        for case, got in zip(_F_CASES, gots):
+            psi, world, per_node, budget, bwi, bwx = case
+            want = reference_choose_f(*case)
+            if got == want:
+                continue
+            where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
+                     f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={want}")
+            if why is None and 16 * psi / want == budget:
+                why = "'fits' means at most the budget (<=, not <)"
+            if why is None and got == world:
+                why = ("F = N (plain FSDP) fits, but its all-gathers cross the slow inter-node link; a smaller F "
+                       "that fits keeps them inside a node")
+            raise AssertionError(f"{where} → " + (why or "among the F that fit, pick the smallest predicted time "
+                                                  "(shard-axis bytes at the link their group uses, plus the "
+                                                  "replicate all-reduce across nodes)"))
         c.ok(f"{len(_F_CASES)} clusters: memory first, then the fastest links")
     return bool(c.passed)
 
@@ -284,28 +395,40 @@ def tp_spec_mistake(spec, shape, fsdp: int, tensor: int) -> str | None:
     return None if got == ("fsdp", "tensor") else f"{spec}: expected P('fsdp', 'tensor')"
 
 
-_TP_CASES = [((64, 192), 4, 2), ((256, 64), 4, 2), ((512, 64), 2, 4), ((64, 256), 8, 1), ((66, 64), 4, 2),
-             ((64,), 4, 2), ((16, 8), 4, 2), ((64, 6), 4, 4)]
+#: (shape, F, T): rows and columns each tested against their own axis ((64, 100): the columns divide by F, not
+#: by T), exactly MIN_SIZE elements (32 x 32 = 1024), T = 1, fallbacks, small arrays.
+_TP_CASES = [((64, 192), 4, 2), ((512, 64), 2, 4), ((64, 256), 8, 1), ((66, 64), 4, 2), ((32, 32), 4, 2),
+             ((64,), 4, 2), ((16, 8), 4, 2), ((64, 100), 4, 8)]
 
 
-@exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'],
-          mistakes={'cut over both axes on dim 0': 'over both axes', 'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays'})
+@exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'], guards=("argument", "boundary"),
+          mistakes={'cut over both axes on dim 0': 'over both axes', 'axes swapped': 'swaps the axes',
+                    'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays',
+                    'MIN_SIZE excluded': 'at least MIN_SIZE',
+                    'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide'})
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
+    import math
     from jax.sharding import PartitionSpec as P
+    from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.strategies.tp import jax as tp_jax
-    with checks.check(name, tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor'), what cannot be "
-                      "cut that way falls back to FSDP over 'fsdp', small arrays replicated") as c:
+    with checks.check(name, tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor') (rows tested against "
+                      "'fsdp', columns against 'tensor', MIN_SIZE elements exactly included), what cannot be cut "
+                      "that way falls back to FSDP over 'fsdp', small arrays replicated") as c:
+        both = P("fsdp", "tensor")
         for shape, F, T in _TP_CASES:
-            want = tp_jax.fsdp_tp_spec(shape, F, T)
-            got = fn(shape, F, T)
+            got, want = fn(shape, F, T), tp_jax.fsdp_tp_spec(shape, F, T)
             if got == want:
                 continue
             where = f"shape {shape} on a mesh (fsdp={F}, tensor={T}): got {got}, expected {want}"
-            if want == P("fsdp", "tensor"):
+            if want == both and math.prod(shape) == fsdp_jax.MIN_SIZE and got == fsdp_jax.fsdp_spec(shape, F):
+                why = (f"{shape} has exactly MIN_SIZE = {fsdp_jax.MIN_SIZE} elements: 'a 2-D array of at least "
+                       "MIN_SIZE elements' includes it (>=, not >)")
+            elif want == both:
                 why = tp_spec_mistake(got, shape, F, T)
             elif len(shape) == 2 and shape[0] % F == 0 and shape[1] % T:
-                why = f"{shape[1]} columns do not divide by tensor={T}: NamedSharding refuses uneven cuts; fall back"
+                why = (f"{shape[1]} columns do not divide by tensor={T}: NamedSharding refuses uneven cuts; fall back"
+                       + (f" (they do divide by fsdp={F}: test the columns against 'tensor')" if shape[1] % F == 0 else ""))
             elif len(shape) == 2 and shape[0] % F:
                 why = f"{shape[0]} rows do not divide by fsdp={F}; fall back to the FSDP rule (another dimension)"
             else:

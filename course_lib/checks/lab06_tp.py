@@ -104,7 +104,11 @@ def _layout_mistake(got, n_heads, d_ff, tp, nodes, gpn) -> str | None:
                     "column-wise where row-wise belongs": "is column-wise, but its input arrives cut",
                     "layouts that do not chain": "the layout one layer produces must be the one the next consumes",
                     "heads not divisible by tp": "whole heads",
-                    "TP over the inter-node link": "TP over the inter-node link"})
+                    "TP over the inter-node link": "TP over the inter-node link",
+                    "d_ff not divisible by tp": "every rank's slice must be the same size",
+                    "missing entry": "the plan has no entry for", "mesh is not the cluster": "the product is the world size",
+                    "refuses a layout that works": "but this layout works", "ValueError expected": "expects ValueError"},
+          guards=("argument", "boundary"))
 def check_tp_plan(fn, name: str = "tp_plan") -> bool:
     with checks.check(name, tests=check_tp_plan.exercise.tests) as c:
         for heads, d_ff, tp, nodes, gpn, want in CASES:

@@ -69,7 +69,10 @@ REFERENCE_CAL = {
         ("reduce_scatter", 2): AlphaBeta(2e-3, 1 / 0.35e9), ("all_reduce", 2): AlphaBeta(1.5e-3, 1 / 0.9e9)}),
     "gamma": 3e-3,
 }
-_EX1_CASES = (("dp", 4, 16, 128, 1), ("fsdp", 4, 16, 128, 1), ("hsdp", 4, 16, 128, 2), ("fsdp", 2, 8, 256, 1))
+#: (strategy, N, batch, d_model, replicate, γ): γ differs in the last case, so that γ is an argument that matters.
+_EX1_CASES = (("dp", 4, 16, 128, 1, 3e-3), ("fsdp", 4, 16, 128, 1, 3e-3), ("hsdp", 4, 16, 128, 2, 3e-3),
+              ("fsdp", 2, 8, 256, 1, 1.5e-3))
+_EX1_ARGS = ("strategy", "cost", "flops", "compute", "comm", "gamma")
 
 
 def _ex1_inputs(strategy, n, batch, width, replicate):
@@ -114,28 +117,73 @@ def _ex1_mistakes(strategy, cost, flops, compute, comm, gamma) -> dict:
     }
 
 
-@exercise("08", 'step_seconds', cell='def step_seconds(', hints=HINTS['step_seconds'],
-          mistakes={'α left out': 'left out α'})
+def _same_everywhere(gots, values) -> bool:
+    return all(math.isclose(g, v, rel_tol=1e-6) for g, v in zip(gots, values))
+
+
+def _ignored_argument(reference, cases, gots, names, same) -> str | None:
+    """The argument the learner's answers behave as if it were a constant: ``reference`` with that argument fixed
+    to one value the cases use gives the learner's answer in *every* case. None if no argument fits."""
+    for i, arg in enumerate(names):
+        seen = []
+        for case in cases:
+            if not any(case[i] is v or case[i] == v for v in seen):
+                seen.append(case[i])
+        for v in seen:
+            fixed = [reference(*case[:i], v, *case[i + 1:]) for case in cases]
+            if all(same(g, f) for g, f in zip(gots, fixed)) and \
+                    not all(same(f, reference(*case)) for f, case in zip(fixed, cases)):
+                shown = f"{v:g}" if isinstance(v, (int, float)) else getattr(v, "name", type(v).__name__)
+                return (f"your answers are those of {arg} = {shown} in every case: the answer ignores its argument "
+                        f"`{arg}` (use the value passed in; each argument changes the answer in some case)")
+    return None
+
+
+@exercise("08", 'step_seconds', cell='def step_seconds(', hints=HINTS['step_seconds'], guards=("argument", "cost"),
+          mistakes={'strategy branch': 'the same for every strategy', 'α left out': 'left out α',
+                    'α once per op': 'α is per *call*', 'payload bytes': 'used payload bytes',
+                    'one fit for every op': 'each op has its own α and β', 'compute left out': 'left out compute',
+                    'γ left out': 'left out the framework term', 'γ on all-reduces': 'charged γ on all-reduces',
+                    'argument ignored': 'ignores its argument', 'milliseconds': 'that is milliseconds',
+                    'not a float': 'return the step time in seconds'})
 def check_step_seconds(fn, name: str = "step_seconds") -> bool:
     """``fn(strategy, cost, flops, compute, comm, gamma)`` returns the model's step time in seconds."""
-    with checks.check(name, tests="DP, FSDP, HSDP 2x2 and FSDP on 2 ranks, with fixed calibration numbers: your "
-                                  "seconds against the course's model, and each classic omission named") as c:
-        for strategy, n, batch, width, r in _EX1_CASES:
+    with checks.check(name, tests="DP, FSDP, HSDP 2x2 and FSDP on 2 ranks, with fixed calibration numbers (γ differs "
+                                  "in one): your seconds against the course's model, and each classic omission "
+                                  "named") as c:
+        cases, gots = [], []
+        for strategy, n, batch, width, r, gamma in _EX1_CASES:
             pred = _ex1_inputs(strategy, n, batch, width, r)
-            args = (strategy, pred.cost, pred.flops, REFERENCE_CAL["compute"], REFERENCE_CAL["comm"],
-                    REFERENCE_CAL["gamma"])
-            got, want = fn(*args), reference_step_seconds(*args)
-            if not isinstance(got, (int, float)) or not math.isfinite(got):
+            args = (strategy, pred.cost, pred.flops, REFERENCE_CAL["compute"], REFERENCE_CAL["comm"], gamma)
+            got = fn(*args)
+            if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
                 raise AssertionError(f"{strategy} N={n}: returned {got!r}; return the step time in seconds (a float)")
-            if math.isclose(got, want, rel_tol=1e-6):
-                continue
+            cases.append(args)
+            gots.append(got)
+        wants = [reference_step_seconds(*args) for args in cases]
+        wrong = [i for i, (g, w) in enumerate(zip(gots, wants)) if not math.isclose(g, w, rel_tol=1e-6)]
+        if wrong:
+            i = wrong[0]
+            strategy, n, batch, width, r, gamma = _EX1_CASES[i]
+            got, want = gots[i], wants[i]
             where = f"{strategy} N={n} B={batch} d={width}: got {got * 1e3:.3f} ms, the model says {want * 1e3:.3f} ms"
-            for why, value in _ex1_mistakes(*args).items():
-                if math.isclose(got, value, rel_tol=1e-6) and not math.isclose(value, want, rel_tol=1e-6):
-                    raise AssertionError(f"{where} → {why}")
-            if math.isclose(got, want / 1e3, rel_tol=1e-6):
-                raise AssertionError(f"{where} → looks like milliseconds / 1000 twice? return seconds")
-            raise AssertionError(f"{where} → compare term by term with step_model.predict(...).comm_by_op")
+            per_case = [_ex1_mistakes(*args) for args in cases]     # the same mistakes, priced case by case
+            why = next((w for w in per_case[0] if _same_everywhere(gots, [m[w] for m in per_case])), None)
+            if why is None and _same_everywhere(gots, [1e3 * w for w in wants]):
+                why = "that is milliseconds: return seconds"
+            if why is None and _same_everywhere(gots, [w / 1e3 for w in wants]):
+                why = "looks like milliseconds / 1000 twice? return seconds"
+            if why is None:
+                why = _ignored_argument(reference_step_seconds, cases, gots, _EX1_ARGS,
+                                        lambda a, b: math.isclose(a, b, rel_tol=1e-6))
+            if why is None:     # one case only: what differs there, and whether it depends on the strategy
+                why = next((w for w, v in _ex1_mistakes(*cases[i]).items()
+                            if math.isclose(got, v, rel_tol=1e-6) and not math.isclose(v, want, rel_tol=1e-6)), None)
+                right = sorted({_EX1_CASES[k][0] for k in range(len(cases)) if k not in wrong})
+                if right and _EX1_CASES[i][0] not in right:
+                    why = (f"right for {', '.join(right)} but not for {strategy}: the model is the same for every "
+                           f"strategy (the ops in cost.ops say what runs)" + (f"; here you {why}" if why else ""))
+            raise AssertionError(f"{where} → {why or 'compare term by term with step_model.predict(...).comm_by_op'}")
         c.ok(f"{len(_EX1_CASES)} configurations (DP, FSDP, HSDP 2x2, FSDP on 2 ranks) match the model")
     return bool(c.passed)
 
@@ -147,6 +195,12 @@ _EX2_CASES = (
     (planner.LLAMA3_70B, planner.Cluster(planner.H100, 8, 8, inter=planner.IB_NDR), "fsdp", 4096, "full"),
     (planner.LLAMA3_8B, planner.Cluster(planner.A100_80GB, 1, 8, planner.NVLINK_A100, planner.ETH_10G), "fsdp",
      2048, "none"),
+    # the boundaries the text states: at batch 7 compute time *equals* the traffic to the last bit (">=" covers
+    # it); on a slow link the first compute-bound batch is 4096 itself ("up to 4096" includes it)
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 2, inter=planner.Link(
+        "a 449 GB/s link", 448812297649.2413, 20e-6, 0.85, 4 * 2**20)), "fsdp", 128, "full"),
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 2, inter=planner.Link(
+        "a 1.06 GB/s link", 1.059e9, 20e-6, 0.85, 4 * 2**20)), "fsdp", 128, "full"),
 )
 LIMIT = 4096
 
@@ -164,11 +218,16 @@ def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointi
     return lo
 
 
-@exercise("08", 'compute_bound_batch', cell='def compute_bound_batch(', hints=HINTS['compute_bound_batch'])
+@exercise("08", 'compute_bound_batch', cell='def compute_bound_batch(', hints=HINTS['compute_bound_batch'],
+          guards=("feasible", "boundary"),
+          mistakes={'tie not covered': "'covers' is >=", 'limit excluded': "'up to 4096' includes 4096",
+                    'off by one': 'off by one', 'tokens': 'that is tokens', 'global batch': 'that is the global batch',
+                    'fraction': 'round the crossing point up', 'too small': 'too small',
+                    'not the smallest': 'not the smallest', 'none found': 'is compute-bound'})
 def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
     """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
-    with checks.check(name, tests="four model x cluster cases: the smallest batch per GPU at which the planner says "
-                                  "compute time covers the traffic") as c:
+    with checks.check(name, tests="six model x cluster cases: the smallest batch per GPU at which the planner says "
+                                  "compute time covers the traffic (one exact tie, one answer of 4096 itself)") as c:
         rows = []
         for model, cluster, strategy, seq, ac in _EX2_CASES:
             want, got = reference_compute_bound_batch(model, cluster, strategy, seq, ac), fn(model, cluster, strategy, seq, ac)
@@ -178,7 +237,15 @@ def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
                 rows.append(f"{model.name} {cluster.nodes * cluster.gpus_per_node} GPUs: {want}")
                 continue
             msg = f"{where}: got {got!r}, expected {want}"
-            if want is not None and isinstance(got, (int, float)):
+            at = planner.plan(model, cluster, strategy, want, seq_len=seq, checkpointing=ac) if want else None
+            if at is not None and got == want + 1 and at.compute_s == at.comm_s:
+                msg += (f" → at batch {want} compute time equals the communication time exactly, and equal covers "
+                        "it: 'covers' is >= (plan.compute_bound), not >")
+            elif want == LIMIT and got is None:
+                msg += " → batch 4096 is compute-bound: 'up to 4096' includes 4096 (search 1..4096, both ends)"
+            elif got is None:
+                msg += f" → batch {want} is compute-bound (plan(...).compute_bound); search every batch up to {LIMIT}"
+            elif want is not None and isinstance(got, (int, float)) and not isinstance(got, bool):
                 if got == want - 1:
                     msg += " → off by one: that is the last batch that is NOT yet compute-bound"
                 elif got == want * seq:
@@ -214,12 +281,31 @@ def reference_plan_70b(cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> dict:
     return best
 
 
-@exercise("08", 'plan_70b', cell='def plan_70b(', hints=HINTS['plan_70b'])
+def _largest_batch(strategy, checkpointing, replicate, cluster, budget, limit=64):
+    """The largest batch (1..limit) whose plan fits ``budget`` with these choices, or 0."""
+    best = 0
+    for b in range(1, limit + 1):
+        try:
+            p = planner.plan(planner.LLAMA3_70B, cluster, strategy, b, seq_len=EX3_SEQ, checkpointing=checkpointing,
+                             replicate=replicate)
+        except ValueError:
+            return best
+        if p.total > budget:
+            break
+        best = b
+    return best
+
+
+@exercise("08", 'plan_70b', cell='def plan_70b(', hints=HINTS['plan_70b'], guards=("feasible", "boundary"),
+          mistakes={'does not fit': 'does not fit', 'estimate ignores activations': 'ignores activations',
+                    'estimate off': 'is off', 'not the largest batch': 'not the largest batch that fits',
+                    'planner refuses': 'the planner refuses', 'not a dict': 'exactly the keys'})
 def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=EX3_BUDGET) -> bool:
     """``answer`` (a dict, or a function returning one): strategy, batch, checkpointing, replicate and your own
     estimate ``memory_bytes`` of one GPU's memory. It must fit ``budget`` and the estimate must be right."""
-    with checks.check(name, tests="the planner prices your plan (activations included) within the memory budget, "
-                                  "and your own estimate of one GPU's memory is within 10% of the planner's") as c:
+    with checks.check(name, tests="the planner prices your plan (activations included) within the memory budget "
+                                  "(in GiB), the batch is the largest that fits, and your own estimate of one GPU's "
+                                  "memory is within 10% of the planner's") as c:
         a = answer() if callable(answer) else answer
         if not isinstance(a, dict) or set(a) != set(_KEYS):
             raise AssertionError(f"return a dict with exactly the keys {_KEYS}, got {a!r}")
@@ -235,6 +321,22 @@ def check_plan_70b(answer, name: str = "plan_70b", cluster=EX3_CLUSTER, budget=E
                    + (" without checkpointing" if a["checkpointing"] == "none" else ""))
             raise AssertionError(f"does not fit: {g(p.total)} per GPU (state {g(p.state)}, buffers {g(p.buffers)}, "
                                  f"activations {g(p.activations)}) > budget {g(budget)} → {why}")
+        best = reference_plan_70b(cluster, budget)["batch"]
+        if a["batch"] < best:
+            b = a["batch"]
+            mine = _largest_batch(a["strategy"], a["checkpointing"], a["replicate"], cluster, budget)
+            q = planner.plan(planner.LLAMA3_70B, cluster, a["strategy"], max(mine, b + 1), seq_len=EX3_SEQ,
+                             checkpointing=a["checkpointing"], replicate=a["replicate"])
+            gib = budget / planner.GiB
+            decimal = _largest_batch(a["strategy"], a["checkpointing"], a["replicate"], cluster, gib * 1e9)
+            raise AssertionError(
+                f"batch {b} fits ({g(p.total)}), but it is not the largest batch that fits → "
+                + (f"batch {q.batch} fits too with your choices ({g(q.total)} of {g(budget)})" if mine > b else
+                   f"with {a['strategy']} and checkpointing {a['checkpointing']} no larger batch fits, but another "
+                   "choice fits a larger one: which strategy keeps the least state per GPU, which checkpointing "
+                   "the fewest activations?")
+                + (f"; the budget is {gib:g} GiB = {budget / 1e9:.1f} GB (a GiB is 2³⁰ bytes, not 10⁹)"
+                   if decimal == b and mine > b else ""))
         est = a["memory_bytes"]
         if not isinstance(est, (int, float)) or est <= 0:
             raise AssertionError(f"memory_bytes={est!r}: give your estimate of one GPU's memory in bytes")
@@ -286,8 +388,8 @@ def _ex4_mistakes(model, cluster, batch, seq_len) -> dict:   # likely wrong answ
             "(1 - selective / full)": p["full"].step_s / p["selective"].step_s - 1}
 
 
-@exercise("08", "full_ac_cost", cell="def full_ac_cost(", hints=HINTS["full_ac_cost"],
-          mistakes={"the fraction kept": "the fraction of throughput KEPT", "a percentage": "that is a percentage",
+@exercise("08", "full_ac_cost", cell="def full_ac_cost(", hints=HINTS["full_ac_cost"], guards=("argument",),
+          mistakes={"argument ignored": "ignores its argument", "not a float": "return a float", "the fraction kept": "the fraction of throughput KEPT", "a percentage": "that is a percentage",
                     "sign flipped": "the sign is flipped", "compared with no checkpointing": "compared with no checkpointing",
                     "compared HFU": "you compared HFU", "compared step times": "you compared step times"})
 def check_full_ac_cost(fn, name: str = "full_ac_cost") -> bool:
@@ -295,17 +397,23 @@ def check_full_ac_cost(fn, name: str = "full_ac_cost") -> bool:
     checkpointing under FSDP, as the planner prices both, on :data:`EX4_CASES` (model, cluster, batch, seq_len)."""
     with checks.check(name, tests="three model x cluster cases: the fraction of tokens/s that full checkpointing "
                                   "costs compared with selective, and each likely slip named") as c:
-        rows = []
+        rows, gots = [], []
+        close = lambda a, b: math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-6)  # noqa: E731
         for model, cluster, batch, seq in EX4_CASES:
-            want, got = reference_full_ac_cost(model, cluster, batch, seq), fn(model, cluster, batch, seq)
+            got = fn(model, cluster, batch, seq)
             where = f"{model.name} on {cluster.world} x {cluster.gpu.name}, batch {batch} x {seq}"
             if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
                 raise AssertionError(f"{where}: returned {got!r}; return a float, the fraction of tokens/s lost")
-            same = lambda v: math.isclose(got, v, rel_tol=1e-3, abs_tol=1e-6)  # noqa: E731
-            if not same(want):
-                why = next((w for w, v in _ex4_mistakes(model, cluster, batch, seq).items() if same(v)),
-                           "compare plan(..., checkpointing='full') with 'selective', same model, cluster, batch "
-                           "and seq_len, strategy 'fsdp'")
+            gots.append(got)
+        for (model, cluster, batch, seq), got in zip(EX4_CASES, gots):
+            want = reference_full_ac_cost(model, cluster, batch, seq)
+            where = f"{model.name} on {cluster.world} x {cluster.gpu.name}, batch {batch} x {seq}"
+            if not close(got, want):
+                why = next((w for w, v in _ex4_mistakes(model, cluster, batch, seq).items() if close(got, v)), None)
+                why = why or _ignored_argument(reference_full_ac_cost, EX4_CASES, gots,
+                                               ("model", "cluster", "batch", "seq_len"), close)
+                why = why or ("compare plan(..., checkpointing='full') with 'selective', same model, cluster, batch "
+                              "and seq_len, strategy 'fsdp'")
                 raise AssertionError(f"{where}: got {got:.4g}, the planner says {want:.4g} → {why}")
             rows.append(f"{model.name} {cluster.world} GPUs: -{want:.1%}")
         c.ok("; ".join(rows))
