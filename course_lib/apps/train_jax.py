@@ -162,6 +162,10 @@ def main(argv=None) -> int:
     if cfg.ckpt_dir:
         mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep)
         latest = mngr.latest_step() if cfg.resume else None
+        if cfg.resume and pid == 0:   # saves that never committed (a killed process): passed over, and said so
+            for name in checkpoint_jax.incomplete_steps(cfg.ckpt_dir):
+                print(f"course_lib.train_jax: ignored {os.path.join(cfg.ckpt_dir, name)}: an unfinished save "
+                      "(never committed)", file=sys.stderr, flush=True)
         if latest is not None:
             target = checkpoint_jax.restore_target(checkpoint_jax.train_state(model, opt), mesh, rule)
             state, meta = checkpoint_jax.restore(mngr, latest, target)
