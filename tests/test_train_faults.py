@@ -147,6 +147,7 @@ def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(tmp_path):
     want, before, after = (_curve(tmp_path / n) for n in ("ref.jsonl", "log.jsonl", "resumed.jsonl"))
     assert sorted(before) == list(range(4)) and sorted(after) == list(range(2, 8)), (before, after)
     assert {s: before[s] for s in (2, 3)} == {s: after[s] for s in (2, 3)} and {**before, **after} == want
+    assert Checkpointer(ck).incomplete() == []          # the resumed run's first commit removed the debris
     assert subprocess.run(["pgrep", "-f", str(ck)], capture_output=True).stdout == b""   # nothing of the run left
 
 
@@ -226,3 +227,5 @@ def test_sigkill_of_a_jax_process_during_an_orbax_save(jax_reference, tmp_path, 
     want, before, after = jax_reference(), _curve(log), _curve(resumed)
     assert sorted(after) == list(range(2, 8)), after
     assert {**before, **after} == want
+    assert cj.incomplete_steps(ck) == []                 # the resumed run wrote step 4 afresh: no debris left
+    assert subprocess.run(["pgrep", "-f", str(ck)], capture_output=True).stdout == b""   # nothing of the run left
