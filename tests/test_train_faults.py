@@ -4,10 +4,11 @@
   are inside DCP's write of step 4. No worker outlives its agent; step 4 stays ``step_00000004.partial``,
   which ``--resume`` names and passes over; step 2 loads and the resumed losses equal a run that never stopped.
 * JAX: SIGKILL of one of two ``jax.distributed`` processes while the Orbax save of step 4 is in flight (its
-  part written, the commit barrier not reached). The survivor exits with a named error within 15 s; the
-  ``4.orbax-checkpoint-tmp*`` folder is named and passed over at ``--resume``; step 2 restores, the losses
-  equal a run that never stopped. (``train_jax`` has no launching parent: each process is started by the
-  cluster -- srun, or by hand -- so there is no parent to kill.)
+  part written, the commit barrier not reached): process 1 (its heartbeats stop), or process 0, the
+  coordinator (it hosts the coordination service every process depends on: the nearest thing ``train_jax``
+  has to a launcher -- it has no launching parent; srun, or a person, starts each process). The survivor exits
+  with a named error within 15 s; the ``4.orbax-checkpoint-tmp`` folder is named and passed over at
+  ``--resume``; step 2 restores, the losses equal a run that never stopped.
 
 "During" without timing luck: ``tests/fault_gate/sitecustomize.py`` (test-only, first on ``PYTHONPATH``) holds
 the save of one step open forever once it has begun, and says so with a file. Each case prints one row
@@ -39,10 +40,10 @@ JAX = [sys.executable, "-m", "course_lib.train_jax", "--cpu-devices", "2"] + SMA
 BOUND_S = 15   #: every process of a killed run is gone, or the survivor has said why, within this
 
 
-def _gated(gate: Path, step: int, **more) -> dict:
+def _gated(gate: Path, step: int) -> dict:
     gate.mkdir(parents=True, exist_ok=True)
     return {**ENV, "PYTHONPATH": f"{GATE}{os.pathsep}{REPO}", "COURSE_TEST_SAVE_GATE": str(gate),
-            "COURSE_TEST_SAVE_GATE_STEP": str(step), **more}
+            "COURSE_TEST_SAVE_GATE_STEP": str(step)}
 
 
 def _popen(argv, env=ENV):

@@ -1,9 +1,9 @@
 """Test-only: hold a checkpoint save open so a test can kill a process *during* it (tests/test_train_faults.py).
 
 Put this folder first on ``PYTHONPATH`` and set ``COURSE_TEST_SAVE_GATE=<folder>`` (and, for JAX,
-``COURSE_TEST_SAVE_GATE_PROCESS=<id>``): the process's writer starts writing a checkpoint, writes a few bytes,
-touches ``<folder>/saving.<who>`` and then waits forever -- a save in flight, as on a slow disk, with no timing
-luck needed. ``COURSE_TEST_SAVE_GATE_STEP=<n>`` gates only step ``n`` (the earlier saves complete). Nothing in
+``COURSE_TEST_SAVE_GATE_PROCESS=<id>``, the one process to hold): the save begins (DCP: each rank writes 100
+bytes of its file; Orbax: the process writes its part, short of the commit barrier), then the writer touches
+``<folder>/saving.<who>`` and waits forever -- a save in flight, as on a slow disk, with no timing luck needed. ``COURSE_TEST_SAVE_GATE_STEP=<n>`` gates only step ``n`` (the earlier saves complete). Nothing in
 course_lib knows of it; without the variable this file does nothing.
 """
 import os
