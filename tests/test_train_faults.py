@@ -77,9 +77,17 @@ def _wait_for(cond, what: str, procs, timeout=120):
         time.sleep(0.05)
 
 
-def _row(case, expected, observed, took, leftovers):
-    print(f"\nFAULT | {case} | expected: {expected} | observed: {observed} | time to error: {took} | "
-          f"leftovers: {leftovers or 'none'}", flush=True)
+@contextlib.contextmanager
+def _row(case: str, expected: str):
+    """One line per case, printed at the end whether it passed or not: yields a dict for the test to fill in
+    (``observed``: a list of what it saw, in order; ``took``; ``leftovers``)."""
+    row = {"observed": [], "took": "-", "leftovers": []}
+    try:
+        yield row
+    finally:
+        print(f"\nFAULT | {case} | expected: {expected} | observed: {'; '.join(row['observed'])} | "
+              f"time to error: {row['took']} | leftovers: {', '.join(map(str, row['leftovers'])) or 'none'}",
+              flush=True)
 
 
 @contextlib.contextmanager
@@ -128,28 +136,37 @@ def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(tmp_path):
     from course_lib.strategies.checkpoint.manager import Checkpointer, step_dir
     ck, log, gate = tmp_path / "ck", tmp_path / "log.jsonl", tmp_path / "gate"
     ref = _popen(TORCHRUN + ["--jsonl", str(tmp_path / "ref.jsonl")])    # the run that never stops, alongside
-    with _reaping(ref):
+    with _reaping(ref), _row("torch: SIGKILL of the torchrun agent during the DCP save of step 4 (2 gloo ranks)",
+                             "workers die with the agent; step_00000004.partial named and ignored at --resume; "
+                             "step 2 loads; resume exact; no debris left") as row:
         status, took, left = _kill_the_agent_during_the_save(ck, log, gate)
         on_disk = sorted(p.name for p in ck.glob("step_*"))
-        _row("torch: SIGKILL of the torchrun agent during the DCP save of step 4 (2 gloo ranks)",
-             "workers die with the agent; step_00000004.partial named and ignored at --resume; step 2 loads; "
-             "resume exact", f"agent status {status}, both workers gone; on disk {on_disk}",
-             f"{took:.2f} s (agent killed -> last worker gone)", [f"worker pid {w}" for w in left])
+        row.update(took=f"{took:.2f} s (agent killed -> last worker gone)", leftovers=[f"worker {w}" for w in left])
+        row["observed"].append(f"agent status {status}, {2 - len(left)} of 2 workers gone; on disk {on_disk}")
         assert status == -signal.SIGKILL
         assert not left, f"workers {left} outlived their agent by {BOUND_S} s"
         mgr = Checkpointer(ck)   # in this process: no process group
         assert mgr.steps() == [2] and [p.name for p in mgr.incomplete()] == ["step_00000004.partial"], on_disk
         assert mgr.latest() == 2
         again = _run(TORCHRUN + ["--ckpt-dir", str(ck), "--jsonl", str(tmp_path / "resumed.jsonl"), "--resume"])
-        assert f"ignored {step_dir(ck, 4, partial=True)}: an unfinished save (never committed)" in again.stderr, \
-            again.stderr[-3000:]
+        named = [line for line in again.stderr.splitlines() if "ignored" in line]
+        row["observed"].append(f"--resume says {named}")
+        assert named == [f"course_lib.train: ignored {step_dir(ck, 4, partial=True)}: an unfinished save (never "
+                         "committed)"], again.stderr[-3000:]
         _, err = ref.communicate(timeout=180)
         assert ref.returncode == 0, err[-3000:]
-    want, before, after = (_curve(tmp_path / n) for n in ("ref.jsonl", "log.jsonl", "resumed.jsonl"))
-    assert sorted(before) == list(range(4)) and sorted(after) == list(range(2, 8)), (before, after)
-    assert {s: before[s] for s in (2, 3)} == {s: after[s] for s in (2, 3)} and {**before, **after} == want
-    assert Checkpointer(ck).incomplete() == []          # the resumed run's first commit removed the debris
-    assert subprocess.run(["pgrep", "-f", str(ck)], capture_output=True).stdout == b""   # nothing of the run left
+        want, before, after = (_curve(tmp_path / n) for n in ("ref.jsonl", "log.jsonl", "resumed.jsonl"))
+        differ = [s for s in want if {**before, **after}.get(s) != want[s]]
+        row["observed"].append(f"resumed at step {min(after)}; {len(differ)} of {len(want)} losses differ from the "
+                               "run that never stopped")
+        assert sorted(before) == list(range(4)) and sorted(after) == list(range(2, 8)), (before, after)
+        assert {s: before[s] for s in (2, 3)} == {s: after[s] for s in (2, 3)} and {**before, **after} == want
+        debris = Checkpointer(ck).incomplete()
+        row["observed"].append(f"after --resume: steps {Checkpointer(ck).steps()}, debris {debris}")
+        assert debris == []                                 # the resumed run's first commit removed it
+        stray = subprocess.run(["pgrep", "-f", str(ck)], capture_output=True, text=True).stdout.split()
+        row["leftovers"] += [f"process {p}" for p in stray]
+        assert stray == []                                  # nothing of the run left
 
 
 # -- JAX: one of two processes killed during an Orbax save ------------------------------------------------------
@@ -191,42 +208,50 @@ def test_sigkill_of_a_jax_process_during_an_orbax_save(jax_reference, tmp_path, 
     extra = ["--ckpt-dir", str(ck), "--ckpt-every", "2"]
     envs = [_gated(gate, 4), _gated(gate, 4)]
     envs[victim]["COURSE_TEST_SAVE_GATE_PROCESS"] = str(victim)
-    procs = _jax(extra + ["--jsonl", str(log)], envs)
-    survivor = procs[1 - victim]
-    try:
-        _wait_for(lambda: (gate / f"saving.process{victim}").exists(), f"process {victim} inside the save of step 4",
-                  procs)
-        os.killpg(procs[victim].pid, signal.SIGKILL)
-        killed = time.monotonic()
+    with _row(f"JAX: SIGKILL of process {victim} of 2 during the Orbax save of step 4",
+              f"survivor exits non-zero within {BOUND_S} s naming the dead peer; 4.orbax-checkpoint-tmp named and "
+              "ignored at --resume; step 2 restores; resume exact; no debris left") as row:
+        procs = _jax(extra + ["--jsonl", str(log)], envs)
+        survivor = procs[1 - victim]
         try:
-            _, err = survivor.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            err = "(still running after 60 s)"
-        took = time.monotonic() - killed
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    (tmp_path / "survivor.err").write_text(err)
-    tmp = cj.incomplete_steps(ck)
-    said = next((line.partition("] ")[2] for line in err.splitlines() if line.startswith("F")), err.strip()[-200:])
-    _row(f"JAX: SIGKILL process {victim} of 2 during the Orbax save of step 4",
-         f"survivor exits non-zero within {BOUND_S} s naming the dead task; 4.orbax-checkpoint-tmp named and "
-         "ignored; step 2 restores; resume exact",
-         f"survivor status {survivor.returncode}, says: {said[:400]!r}; on disk {sorted(p.name for p in ck.iterdir())}",
-         f"{took:.2f} s (kill -> survivor exit)", [p.pid for p in procs if _alive(p.pid)])
-    assert survivor.returncode not in (None, 0) and took < BOUND_S, (took, err[-3000:])
-    dead = "stopped sending heartbeats" if victim else "the leader task was preempted/died"   # which peer is gone
-    assert "another task died" in err and dead in err, err[-3000:]
-    assert tmp and tmp[0].startswith("4.orbax-checkpoint-tmp"), tmp
-    resumed = tmp_path / "resumed.jsonl"
-    again = _jax(extra + ["--resume", "--jsonl", str(resumed)], [ENV, ENV])
-    err0 = [p.communicate(timeout=180)[1] for p in again][0]
-    assert [p.returncode for p in again] == [0, 0], err0[-3000:]
-    assert f"ignored {ck / tmp[0]}: an unfinished save (never committed)" in err0, err0[-3000:]
-    want, before, after = jax_reference(), _curve(log), _curve(resumed)
-    assert sorted(after) == list(range(2, 8)), after
-    assert {**before, **after} == want
-    assert cj.incomplete_steps(ck) == []                 # the resumed run wrote step 4 afresh: no debris left
-    assert subprocess.run(["pgrep", "-f", str(ck)], capture_output=True).stdout == b""   # nothing of the run left
+            _wait_for(lambda: (gate / f"saving.process{victim}").exists(), f"process {victim} inside the save", procs)
+            os.killpg(procs[victim].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            try:
+                _, err = survivor.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                err = "(still running after 60 s)"
+            took = time.monotonic() - killed
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        tmp = cj.incomplete_steps(ck)
+        said = next((line.partition("] ")[2] for line in err.splitlines() if line.startswith("F")), err[-200:])
+        row.update(took=f"{took:.2f} s (kill -> survivor exit)")
+        row["observed"].append(f"survivor status {survivor.returncode}, says {said[:420]!r}; on disk "
+                               f"{sorted(p.name for p in ck.iterdir())}")
+        assert survivor.returncode not in (None, 0) and took < BOUND_S, (took, err[-3000:])
+        dead = "stopped sending heartbeats" if victim else "the leader task was preempted/died"   # which peer
+        assert "another task died" in err and dead in err, err[-3000:]
+        assert tmp and tmp[0].startswith("4.orbax-checkpoint-tmp"), tmp
+        resumed = tmp_path / "resumed.jsonl"
+        again = _jax(extra + ["--resume", "--jsonl", str(resumed)], [ENV, ENV])
+        err0 = [p.communicate(timeout=180)[1] for p in again][0]
+        assert [p.returncode for p in again] == [0, 0], err0[-3000:]
+        named = [line for line in err0.splitlines() if "ignored" in line]
+        row["observed"].append(f"--resume says {named}")
+        assert named == [f"course_lib.train_jax: ignored {ck / tmp[0]}: an unfinished save (never committed)"], \
+            err0[-3000:]
+        want, before, after = jax_reference(), _curve(log), _curve(resumed)
+        differ = [s for s in want if {**before, **after}.get(s) != want[s]]
+        row["observed"].append(f"resumed at step {min(after)}; {len(differ)} of {len(want)} losses differ from the "
+                               "run that never stopped")
+        assert sorted(after) == list(range(2, 8)), after
+        assert {**before, **after} == want
+        row["observed"].append(f"after --resume: on disk {sorted(p.name for p in ck.iterdir())}")
+        assert cj.incomplete_steps(ck) == []                 # the resumed run wrote step 4 afresh: no debris left
+        stray = subprocess.run(["pgrep", "-f", str(ck)], capture_output=True, text=True).stdout.split()
+        row["leftovers"] += [f"process {p}" for p in stray]
+        assert stray == []                                  # nothing of the run left
