@@ -15,6 +15,9 @@ Plain ``torchrun`` works too; what this adds, on top of ``torch.distributed.run.
   usual (the training script saves a checkpoint and exits); then this process exits 128 + the signal (143
   for SIGTERM), the shell's convention for "stopped by a signal", without torchrun's ``SignalException``
   traceback.
+* SIGKILL of this process (or the OOM killer) cannot be forwarded: each ``course_lib.train`` worker asks the
+  kernel to SIGKILL it when its agent dies (``PR_SET_PDEATHSIG``), so no rank is left training alone; the save
+  it was in stays a ``.partial`` directory, which ``--resume`` names and passes over.
 """
 from __future__ import annotations
 

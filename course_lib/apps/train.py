@@ -67,6 +67,21 @@ class Warmup:
         return min(1.0, (s + 1) / self.steps)
 
 
+def _die_with_the_agent() -> None:
+    """Under torchrun (Linux): when the agent dies without telling its workers -- SIGKILL, the OOM killer --
+    the kernel SIGKILLs this worker too (``PR_SET_PDEATHSIG``). torchrun starts each worker in a session of its
+    own, so without this an orphaned rank trains on, or waits in a collective, holding its device, and a
+    ``--resume`` would race it for the checkpoint folder. A requested stop is unaffected: SIGTERM to the agent
+    is forwarded to the workers, which save and exit before the agent does."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:   # the agent died before the line above: the kernel will not send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _init_process_group():
     """torchrun's env:// rendezvous (or a one-rank group on a free port when run plainly), through the
     ledger backend so every collective -- FSDP2's included -- is recorded. Returns (rank, world, device)."""
@@ -186,6 +201,7 @@ def parser(rank: int = 0) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    _die_with_the_agent()
     world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     args = parser(rank_env).parse_args(argv)
     try:   # before any process group, model or data: every rank fails alike, rank 0 says why

@@ -16,9 +16,10 @@ across processes: 2 processes x 2 devices is a real multi-process run on a lapto
 elements are cut over ``fsdp`` and copied over ``replicate``; the batch rows are cut over both. ``--bf16``
 casts the fp32 parameters to bf16 inside the step (gradients come back fp32); ``--act-ckpt`` wraps every block
 in ``nnx.remat``. Orbax's ``CheckpointManager`` writes ``<step>.orbax-checkpoint-tmp`` and renames it when
-complete; ``--resume`` restores the newest complete step with every array laid out for the *current* mesh,
-so 2 processes x 2 devices resumes at 1 x 2 or 1 x 4. As in "Train Your Large Model on Multiple GPUs with
-Fully Sharded Data Parallelism", the same saved state fits any layout.
+complete; ``--resume`` names any unfinished ``<step>.orbax-checkpoint-tmp`` (a process killed mid-save) and
+restores the newest complete step with every array laid out for the *current* mesh, so 2 processes x 2
+devices resumes at 1 x 2 or 1 x 4. As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data
+Parallelism", the same saved state fits any layout.
 """
 from __future__ import annotations
 
@@ -162,6 +163,10 @@ def main(argv=None) -> int:
     if cfg.ckpt_dir:
         mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep)
         latest = mngr.latest_step() if cfg.resume else None
+        if cfg.resume and pid == 0:   # saves that never committed (a killed process): passed over, and said so
+            for name in checkpoint_jax.incomplete_steps(cfg.ckpt_dir):
+                print(f"course_lib.train_jax: ignored {os.path.join(cfg.ckpt_dir, name)}: an unfinished save "
+                      "(never committed)", file=sys.stderr, flush=True)
         if latest is not None:
             target = checkpoint_jax.restore_target(checkpoint_jax.train_state(model, opt), mesh, rule)
             state, meta = checkpoint_jax.restore(mngr, latest, target)

@@ -19,7 +19,8 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
   missing or full folder is one :class:`CheckpointWriteError` before any step runs. A save that fails on the
   disk (no space, read-only) removes its ``.partial`` directory and raises one :class:`CheckpointWriteError`
   naming the cause and the last good step -- or, with ``on_save_error="warn"``, prints that line and lets
-  training go on. A crash (a killed rank) leaves its ``.partial`` for :meth:`Checkpointer.incomplete` to name.
+  training go on. A crash (a killed rank or launcher) leaves its ``.partial`` for :meth:`Checkpointer.incomplete`
+  to name at resume; the next successful commit removes it (it can never load, and it is a checkpoint's size).
 * **keep the last K** -- only after a successful commit (a failed save deletes nothing), the newest K
   steps that verify are kept and every other step is deleted: a damaged newer step never costs an
   older good one.
@@ -341,9 +342,12 @@ class Checkpointer:
             os.close(fd)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep`` steps that verify; delete every other committed step. Verified by sizes
-        only (cheap: no re-reading of K checkpoints per save); :meth:`load` checks the CRCs."""
+        """Keep the newest ``keep`` steps that verify; delete every other committed step, and the ``.partial``
+        directories that crashes left (none is in flight: one save at a time). Verified by sizes only (cheap: no
+        re-reading of K checkpoints per save); :meth:`load` checks the CRCs."""
         if self.rank == 0:
+            for debris in self.incomplete():
+                shutil.rmtree(debris, ignore_errors=True)
             kept = []
             for s in reversed(self.steps()):
                 if len(kept) < self.keep:
