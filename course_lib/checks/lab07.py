@@ -63,7 +63,8 @@ TESTS = {
     "load_resharded": "a {'model', 'optim'} checkpoint saved by FSDP2 + AdamW at 4 ranks, loaded with your "
                       "function into a fresh model and optimizer at 2 ranks: every weight and Adam tensor "
                       "bit-identical to what was saved, the param groups (LR after warm-up, betas, eps, weight "
-                      "decay) restored, and 2 more steps give the losses of the run that never stopped",
+                      "decay) restored, each rank reading only the saved chunks it needs (not the whole "
+                      "checkpoint), and 2 more steps give the losses of the run that never stopped",
     "restore_target": "a small state saved on 8 devices, restored with your targets onto 4 and onto 1: abstract "
                       "arrays, same shapes and dtypes, NamedShardings on the new mesh with the FSDP rule's "
                       "specs, values bit-identical",
@@ -71,8 +72,12 @@ TESTS = {
 
 
 # -- a crash in the learner's code: which call raised, on which rank, and the likely cause ----------------
-_WRAPPERS = {"wrapper", "inner", "inner_func", "_fn", "decorate_context", "_wrapped_call_impl", "_call_impl", "__call__", "<lambda>"}
-_SHORT = {"torch.distributed.checkpoint.state_dict_loader": "dcp", "torch.distributed.checkpoint.state_dict_saver": "dcp",
+#: frames of decorators and dispatch between the learner's call and the function it called
+_WRAPPERS = {"wrapper", "inner", "inner_func", "_fn", "decorate_context", "_wrapped_call_impl", "_call_impl",
+             "__call__", "<lambda>"}
+#: how a module's functions are usually called in the lab (dcp.load, set_state_dict, torch.set_rng_state...)
+_SHORT = {"torch.distributed.checkpoint.state_dict_loader": "dcp",
+          "torch.distributed.checkpoint.state_dict_saver": "dcp",
           "torch.distributed.checkpoint.state_dict": "", "torch.random": "torch", "torch.serialization": "torch",
           "torch.optim.optimizer": "optimizer", "torch.nn.modules.module": "model",
           "course_lib.strategies.fsdp.jax": "fsdp_jax"}
@@ -129,7 +134,16 @@ def _crash_info(exc: BaseException, files: set[str], during: str) -> dict:
 
 def _likely_cause(info: dict) -> str:
     """The likely mistake behind a crash, read from what the error says (not from which exercise it is)."""
+    import re
     t, m, call = info["type"], info["msg"], info["call"]
+    sizes = re.search(r"saved torch\.Size\(\[([\d, ]*)\]\) and current: torch\.Size\(\[([\d, ]*)\]\)", m)
+    if sizes:
+        saved, now = ([int(x) for x in g.split(",") if x.strip()] for g in sizes.groups())
+        if len(saved) == len(now) and any(a < b for a, b in zip(now, saved)) and all(
+                a <= b for a, b in zip(now, saved)):
+            return (f"a template tensor of shape {now} where the checkpoint holds {saved}: a local shard (one rank's "
+                    "rows, a plain tensor) that has lost its global shape; DCP reads each rank's slice into a "
+                    "sharded tensor that knows the whole shape: keep the state dict's tensors as they come")
     if "Missing key in checkpoint" in m or "Size mismatch" in m:
         return ("the state dict given to DCP has keys or shapes that differ from the saved ones: DCP loads into a "
                 "template with the saved names and shapes (the same top-level keys at save and at load, the same "
@@ -183,7 +197,7 @@ HYPER = ("lr", "betas", "eps", "weight_decay")   #: what a param group carries b
 # -- exercise 1: the app state ------------------------------------------------------------------------
 def _hyper(opt) -> list[dict]:
     """A param group's hyper-parameters (what the next step reads besides the tensors)."""
-    return [{k: g[k] for k in HYPER} for g in opt.param_groups]
+    return [{k: tuple(g[k]) if isinstance(g[k], list) else g[k] for k in HYPER} for g in opt.param_groups]
 
 
 def _positional(sd) -> bool:
@@ -299,6 +313,11 @@ def _app_state_verdict(r: int, o: dict) -> str | None:
     if wrong["LR schedule"]:
         return (f"rank {r}: LR schedule at step {o['sched'][1]} after load, saved at {o['sched'][0]} → the schedule "
                 "is not restored: warm-up starts again")
+    if wrong["data position"] and o["data"][1] != 0:
+        (saved, got) = o["data"]
+        return (f"rank {r}: data position {got} after load, saved at {saved} → the data position is off by "
+                f"{got - saved:+d}: the saved position already names the next batch to read (batches "
+                f"{'skipped' if got > saved else 'seen twice'}); put back exactly what was saved")
     if wrong["data position"]:
         return (f"rank {r}: data position {o['data'][1]} after load, saved at {o['data'][0]} → the data stream "
                 "restarts from the beginning: batches seen twice, others never")
@@ -317,7 +336,8 @@ def _app_state_verdict(r: int, o: dict) -> str | None:
                     'hyper-parameters not restored': "the optimizer's hyper-parameters were not restored",
                     'schedule not restored': 'the schedule is not restored',
                     'data restarts': 'the data stream restarts from the beginning',
-                    'one RNG key': 'saved it under the same key', 'RNG not restored': 'RNG state not restored',
+                    'data off by': 'the data position is off by', 'one RNG key': 'saved it under the same key',
+                    'RNG not restored': 'RNG state not restored',
                     'template keys': 'keys or shapes that differ from the saved ones'},
           guards=("restore",))
 def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
@@ -369,8 +389,16 @@ def _load_on_rank(fn, cfg, path, step: int, after: int = 2):
     import torch
     import torch.distributed as dist
     from course_lib.strategies.checkpoint import torch as ck
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     model, opt, _, data = ck.resumable_run(cfg, seed=1)
     init = ck.full_state(model)
+    read, total, real = {}, [0], FileSystemReader.read_data
+
+    def counted(self, plan, planner):     # the bytes of the checkpoint this rank reads: the load's cost
+        total[0] = sum(info.length for info in self.storage_data.values())
+        read.update({repr(item.storage_index): self.storage_data[item.storage_index].length for item in plan.items})
+        return real(self, plan, planner)
+    FileSystemReader.read_data = counted
     try:
         fn(model, opt, path)
     except NotImplementedError:
@@ -379,10 +407,29 @@ def _load_on_rank(fn, cfg, path, step: int, after: int = 2):
         _raise_stub(e)
         return {"error": _crash_info(e, _learner_files(fn), f"{fn.__name__}(model, optimizer, path) at "
                                                            f"{dist.get_world_size()} ranks")}
+    finally:
+        FileSystemReader.read_data = real
     got = ck.full_state(model, opt)
     data.step = step                      # the data position is not this exercise's: set it as saved
     return {"state": got, "init": all(torch.equal(init[k], got[k]) for k in init), "hyper": _hyper(opt),
-            "resumed": _continue(model, opt, data, after)}
+            "read": sum(read.values()), "total": total[0], "resumed": _continue(model, opt, data, after)}
+
+
+_SAVES: dict = {}    #: save world size -> (its directory, what it saved): the reference run, once per process
+
+
+def _reference_save(cfg, world_size: int, path: str) -> dict:
+    """The reference checkpoint (deterministic: seed 0, 2 steps) copied into ``path``; saved at ``world_size``
+    ranks the first time only (a later check reuses it: the answer reads a fresh copy, so it cannot spoil it)."""
+    import shutil
+    from course_lib.launch import run
+    if world_size not in _SAVES:
+        keep = tempfile.TemporaryDirectory(prefix="lab07-reference-")   # removed when the process exits
+        ran = run(_save_on_rank, cfg, keep.name, world_size=world_size)[0]
+        _SAVES[world_size] = (keep, ran)
+    keep, ran = _SAVES[world_size]
+    shutil.copytree(keep.name, path, dirs_exist_ok=True)
+    return ran
 
 
 @exercise("07", 'load_resharded', cell='def load_resharded(', hints=HINTS['load_resharded'], tests=TESTS['load_resharded'],
@@ -391,8 +438,9 @@ def _load_on_rank(fn, cfg, path, step: int, after: int = 2):
                     'hyper-parameters not restored': "the optimizer's hyper-parameters were not restored",
                     'template keys': 'keys or shapes that differ from the saved ones',
                     'not a torch.save file': "one rank's slices in DCP's layout",
-                    'full template': 'whole (full) tensors handed to a sharded model'},
-          guards=("restore",))
+                    'full template': 'whole (full) tensors handed to a sharded model', 'local shards': 'a local shard',
+                    'whole checkpoint on every rank': 'every rank read the whole checkpoint'},
+          guards=("restore", "cost"))
 def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2, name: str = "load_resharded") -> bool:
     """``fn(model, optimizer, path)`` loads a ``{"model", "optim"}`` DCP checkpoint saved at another world size
     into an FSDP2 model + AdamW: weights and optimizer state bit-identical, the param groups restored, and the
@@ -401,7 +449,7 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
     from course_lib.launch import run
     cfg = GPTConfig(seq_len=31, d_ff=199)
     with checks.check(name, tests=TESTS["load_resharded"]) as c, tempfile.TemporaryDirectory() as path:
-        ran = run(_save_on_rank, cfg, path, world_size=save_world_size)[0]
+        ran = _reference_save(cfg, save_world_size, path)
         saved = ran["state"]
         out = run(_load_on_rank, fn, cfg, path, ran["step"], world_size=load_world_size)
         for r, o in enumerate(out):
@@ -437,6 +485,16 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
                         "optimizer's (Adam's tensors can be filled in place, but the param groups come back only "
                         "when the loaded optimizer state is handed back to the optimizer; the warm-up had "
                         "already raised the LR)")
+        # the cost: a template laid out for this mesh reads the saved chunks that hold this rank's slices (about
+        # its share, more where the saved chunks straddle two ranks); whole tensors make every rank read it all
+        if load_world_size > 1 and all(o["read"] >= 0.95 * o["total"] for o in out):
+            o = out[0]
+            raise AssertionError(
+                f"each rank read {o['read']:,} bytes of the checkpoint's {o['total']:,}, where its share at "
+                f"{load_world_size} ranks is about {o['total'] // load_world_size:,} → every rank read the whole "
+                f"checkpoint: whole tensors as the template (a full state dict) cost {load_world_size}× the "
+                "reading and the memory, and a gather; a template laid out for this mesh reads only this "
+                "rank's slices")
         checks.assert_close(f"the {len(ran['straight'])} losses after the load vs never stopping",
                             [o["resumed"] for o in out], [ran["straight"]] * len(out), **checks.TOLERANCES["fp32"])
         c.ok(f"saved at {save_world_size} ranks, loaded at {load_world_size}: {len(saved)} tensors (weights, Adam "
@@ -454,6 +512,7 @@ def _norm(spec) -> tuple:
 @exercise("07", 'restore_target', cell='def restore_target(', hints=HINTS['restore_target'], tests=TESTS['restore_target'],
           mistakes={'no sharding in the target': 'has no sharding', 'saved sharding': "that is the saved array's own sharding",
                     'mesh ignored': 'not on the mesh you were given', 'saved device count': "the saved mesh's size",
+                    'device count ignored': 'take it from the mesh',
                     'whole array': 'the whole array (N× the memory)', 'concrete target': 'a concrete target allocates',
                     'shape or dtype': "keep each array's shape and dtype"},
           guards=("argument", "cost"))
@@ -493,6 +552,7 @@ def _restore_onto(fn, mngr, state, host, mesh_of):
     from course_lib.strategies.checkpoint import jax as cj
     from course_lib.strategies.fsdp.jax import fsdp_spec
     saved_n = len(jax.tree.leaves(state)[0].sharding.device_set)
+    passed: list[int] = []                       # the mesh sizes the answer was right for
     for n in (4, 1):
         mesh = mesh_of(n)
         devs = f"{n} device{'s' if n > 1 else ''}"
@@ -535,9 +595,16 @@ def _restore_onto(fn, mngr, state, host, mesh_of):
             got = _norm(t.sharding.spec)
             if got != want:
                 per = x.nbytes // (n if want else 1)
-                if got == _norm(fsdp_spec(x.shape, saved_n)):
-                    why = (f"that is the FSDP rule for {saved_n} devices, the saved mesh's size, not for the {devs} "
-                           "of the mesh you were given (the rule's cut depends on the number of devices)")
+                # a fixed device count: one the answer was right for on an earlier mesh first, then the saved one
+                other = next((m for m in (*passed, saved_n, 2, 4, 8) if m != n and got == _norm(fsdp_spec(x.shape, m))),
+                             None)
+                if other:
+                    why = (f"that is the FSDP rule for {other} devices"
+                           + (", the saved mesh's size" if other == saved_n and other not in passed else "")
+                           + f", not for the {devs} of the mesh you were given"
+                           + (f" (right on the {other}-device mesh: a device count fixed in your code?)"
+                              if other in passed else "")
+                           + "; the rule's cut depends on the number of devices: take it from the mesh")
                 elif not got:
                     why = (f"each device would hold the whole array (N× the memory): {x.nbytes:,} bytes instead of "
                            f"{per:,}")
@@ -545,7 +612,7 @@ def _restore_onto(fn, mngr, state, host, mesh_of):
                     why = "each device would hold another cut"
                 raise AssertionError(f"target[{k!r}] {x.shape} is {'replicated' if not got else f'P{got}'} on "
                                      f"{devs}, the FSDP rule gives P{want} → {why}"
-                                     + ("" if "saved mesh" in why else "; cut by the FSDP rule for the mesh you are given"))
+                                     + ("" if other else "; cut by the FSDP rule for the mesh you are given"))
         try:
             restored, _ = cj.restore(mngr, 1, target)
         except Exception as e:  # noqa: BLE001 - Orbax raising deep inside: named, with the likely cause
@@ -554,3 +621,4 @@ def _restore_onto(fn, mngr, state, host, mesh_of):
         bad = cj.same_arrays(restored, host)
         if bad:
             raise AssertionError(f"restored onto {devs}, {bad} differ from the saved values")
+        passed.append(n)

@@ -100,12 +100,26 @@ dcp.load(sd, checkpoint_id=path)
 model.load_state_dict(sd["model"])
 optimizer.load_state_dict(sd["optim"])
 """), LOAD, "optimizer.state_dict() keys Adam's state by position: nothing of the saved names is read into it"),
+    Wrong("07", "load_resharded", "cost", "whole checkpoint on every rank", load("""\
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+whole = StateDictOptions(full_state_dict=True)     # every tensor whole, on every rank
+sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer, options=whole)))
+dcp.load(sd, checkpoint_id=path)
+set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=whole)
+"""), LOAD, "a full state dict as the template: right values, but every rank reads and holds the whole checkpoint"),
     Wrong("07", "load_resharded", "crash", "template keys", load("""\
 msd, osd = get_state_dict(model, optimizer)
 sd = {"model_state": msd, "optimizer": osd}      # not the keys the save used
 dcp.load(sd, checkpoint_id=path)
 set_state_dict(model, optimizer, model_state_dict=sd["model_state"], optim_state_dict=sd["optimizer"])
 """), LOAD, "a template under other top-level keys: DCP raises CheckpointException", ("your code raised", "on rank")),
+    Wrong("07", "load_resharded", "crash", "local shards", load("""\
+msd, osd = get_state_dict(model, optimizer)
+sd = {"model": {k: v.to_local() for k, v in msd.items()}, "optim": osd}   # "each rank loads its own piece"
+dcp.load(sd, checkpoint_id=path)
+set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+"""), LOAD, "local shards (plain tensors) as the template where the checkpoint holds sharded tensors",
+          ("your code raised", "on rank")),
     Wrong("07", "load_resharded", "crash", "not a torch.save file", load("""\
 import os
 import torch.distributed as dist
@@ -176,6 +190,12 @@ set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=
         self.scheduler.load_state_dict(sd["sched"])
         torch.set_rng_state(sd["rng"][f"rank{dist.get_rank()}"])
 """), APP, "the data position forgotten"),
+    Wrong("07", "AppState", "value", "data off by", app(load="""\
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.scheduler.load_state_dict(sd["sched"])
+        self.data.load_state_dict({**sd["data"], "step": sd["data"]["step"] + 1})   # "resume at the next batch"
+        torch.set_rng_state(sd["rng"][f"rank{dist.get_rank()}"])
+"""), APP, "the saved position taken as the last batch read, so one is skipped"),
     Wrong("07", "AppState", "restore", "RNG not restored", app(save="""\
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "sched": self.scheduler.state_dict(),
@@ -235,6 +255,9 @@ set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=
           target("jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, "
                  "fsdp_jax.fsdp_spec(x.shape, len(x.sharding.device_set))))"), TARGET,
           "the FSDP rule applied for the saved device count (8), not the new mesh's"),
+    Wrong("07", "restore_target", "argument", "device count ignored",
+          target("jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, fsdp_jax.fsdp_spec(x.shape, 4)))"),
+          TARGET, "the device count hard-coded to 4: right on 4 devices, wrong on 1"),
     Wrong("07", "restore_target", "cost", "whole array",
           target("jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))"), TARGET,
           "replicated on the new mesh: the whole array on every device"),
