@@ -21,6 +21,9 @@ MFU on a GPU, peak memory) and prints the run's collective ledger at the end.
 
 As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism": shard each block, then
 the root; save and load with DCP on every rank.
+
+Longer than ~300 lines: the capstone reads top to bottom as one script (process group, model, checkpointing,
+the loop, and what each signal and fault does to it); apart, a learner would chase it across files.
 """
 from __future__ import annotations
 

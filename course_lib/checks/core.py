@@ -29,7 +29,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 __all__ = ["CheckFailed", "check", "current", "not_implemented_todo", "Detector", "hint", "register_hints",
-           "last_error", "strict"]
+           "last_error", "keep_error", "likely_cause", "strict"]
 
 DEFAULT_TODO = ("fill in the code marked `# YOUR CODE HERE` above, run that cell, then re-run this one")
 _STUB_PREFIX = "Exercise not done yet:"
@@ -118,6 +118,12 @@ def hint(name: str, level: int = 1) -> str:
         text += f'\n   (more: checks.hint("{name}", {level + 1}))'
     print(text)
     return text
+
+
+def keep_error(text: str) -> None:
+    """Keep ``text`` (a traceback) behind the next ❌ line, for :func:`last_error` -- for a check that words a
+    crash itself (e.g. unwrapping DCP's CheckpointException to the rank's own error)."""
+    _LAST_ERROR[0] = text
 
 
 def last_error() -> str:

@@ -2,6 +2,9 @@
 and compares it with the single-process answer, naming the likely mistake (see :mod:`course_lib.checks`).
 
 The references they stand in for are in :mod:`course_lib.strategies.dp.torch`.
+
+Longer than ~300 lines: four exercise checks (two in torch, two in JAX), each with the diagnoses of its classic
+mistakes and a second run at another world size or key, so that an argument the answer ignores shows.
 """
 from __future__ import annotations
 

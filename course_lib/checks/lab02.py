@@ -6,6 +6,9 @@ The references they stand in for: :func:`course_lib.measure.memory.storage_bytes
 :class:`course_lib.strategies.zero.torch.FlatUnit` (whose ``gather_``/``free_`` and the ``step`` of :class:`~course_lib.strategies.zero.torch.ZeRO`).
 The ZeRO checks use a 17x257 -> 257x5 MLP: 5,911 parameters, padded at every N > 1, and 12 rows of data
 (equal slices at N = 2, 3, 4).
+
+Longer than ~300 lines: three exercise checks, each with its rank-side harness (the overlap and storage
+watches that tell a right value at the wrong cost) and the diagnoses of its classic mistakes.
 """
 from __future__ import annotations
 
