@@ -17,7 +17,7 @@ def _fake_run(pred_ms_per_round, meas_ms_per_round):
     configs = [step_time.Config("dp", 4, 16, 128), step_time.Config("fsdp", 4, 16, 128)]
     cal = NS(comm=NS(fits={("all_reduce", 4): AlphaBeta(2e-3, 1e-9)}), comm_spread={("all_reduce", 4): 1.5},
              compute=NS(overhead_s=5e-3, flops_per_s=30e9), compute_points=[(1e9, 0.04, 1.2)],
-             per_collective_s=3e-3)
+             per_collective_s=3e-3, ddp_per_bucket_s=1e-3)
     return {"configs": configs, "calibrations": {4: cal},
             "predictions": [[_pred(p) for p in rnd] for rnd in pred_ms_per_round],
             "measured": [[(m / 1e3, 1.1) for m in rnd] for rnd in meas_ms_per_round]}
@@ -77,3 +77,15 @@ def test_calibration_runs_on_three_ranks():
     """The sweep used to gather 3 x 1365 float32 elements into 4096 and gloo refused (issue 22)."""
     comm, spread = step_time.calibrate_comm(3, sizes=(16 * 1024, 128 * 1024), repeats=1)
     assert set(comm.fits) == {("all_gather", 3), ("reduce_scatter", 3), ("all_reduce", 3)}
+
+
+def test_ddp_own_work_is_added_to_dp_only_per_bucket():
+    """δ (DDP's own work per bucket, probed at width 96) goes into DP's framework term, never into FSDP's."""
+    from course_lib.maths import step_model
+    comm = step_model.CommModel({(op, 4): AlphaBeta(1e-3, 1e-9) for op in ("all_gather", "reduce_scatter", "all_reduce")})
+    compute = step_model.ComputeModel(5e-3, 30e9)
+    cal = step_time.Calibration(4, comm, {}, compute, [], per_collective_s=3e-3, ddp_per_bucket_s=2e-3)
+    dp, fsdp = step_time.predict_all([step_time.Config("dp", 4, 16, 128), step_time.Config("fsdp", 4, 16, 128)], {4: cal})
+    buckets = sum(o.count for o in dp.cost.ops if o.op == "all_reduce")
+    assert buckets >= 1 and dp.framework_s == 2e-3 * buckets
+    assert fsdp.framework_s == 3e-3 * fsdp.framework_calls

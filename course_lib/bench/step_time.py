@@ -10,7 +10,8 @@ Without ``--ranks`` it runs the lab's :data:`CONFIGS` (2 and 4 ranks); ``--ranks
    and group size with :func:`course_lib.bench.wire.calibrate_alpha_beta`. The spread (max/min) is reported.
 2. **Compute**: the plain course GPT (no collective) stepped on every rank at once -- the ranks share this
    machine's cores exactly as they will in the real runs -- at two widths; ``overhead + FLOPs / rate`` fitted.
-   Then γ, FSDP2's own work per collective, from one FSDP run at a width no test uses.
+   Then γ, FSDP2's own work per collective, from FSDP runs at a width no test uses, and δ, DDP's own work
+   per bucket, from a DP run at that width (:func:`calibrate`).
 3. **Predict** (:func:`course_lib.maths.step_model.predict`) the configurations of :data:`CONFIGS` *before*
    running them, then **measure** each: median over ``steps`` timed steps of the slowest rank.
 
@@ -23,6 +24,7 @@ configurations; apart, each half would import the other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -252,10 +254,22 @@ class Calibration:
     compute: step_model.ComputeModel
     compute_points: list
     per_collective_s: float     #: γ, FSDP2's own work per all-gather / reduce-scatter, from FSDP runs at width 96
+    ddp_per_bucket_s: float = 0.0   #: δ, DDP's own work per bucket all-reduce, from a DP run at width 96 (0: not probed)
 
 
-def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int = 10) -> Calibration:
-    """Collectives, then compute, then two FSDP runs at width 96 for γ (no tested configuration uses it)."""
+def _dp_all_reduces(pred) -> int:
+    return sum(o.count for o in pred.cost.ops if o.op == "all_reduce")
+
+
+def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int = 10, ddp: bool = False) -> Calibration:
+    """Collectives, then compute, then two FSDP runs at width 96 for γ (no tested configuration uses it); with
+    ``ddp``, one DP run at width 96 for δ, DDP's own work per bucket.
+
+    δ is to DDP what γ is to FSDP2: what the c10d α-β and the plain compute leave unexplained in a real step,
+    per all-reduce call -- the reducer's hooks, its copies of gradients into and out of the bucket, and the
+    bucket's all-reduce competing with backward for the cores (DDP starts it while backward still runs; with
+    fewer cores than ranks the two share them). It is not a term of the course's step model (Lab 08 teaches
+    γ alone): the bench adds it to DP's prediction, and prints it."""
     comm, spread = calibrate_comm(world_size, replicate, repeats=repeats)
     compute, points = calibrate_compute(world_size, steps=steps)
     gammas = []
@@ -264,7 +278,12 @@ def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int 
         pred = step_model.predict("fsdp", lab_cfg(96), world_size, probe.batch, compute, comm, root_unit=0)
         gammas.append(step_model.fit_framework_overhead(measure(probe, steps)[0], pred))
     gamma = sum(gammas) / len(gammas)
-    return Calibration(world_size, comm, spread, compute, points, gamma)
+    delta = 0.0
+    if ddp:
+        probe = Config("dp", world_size, 4 * world_size, 96)
+        pred = step_model.predict("dp", lab_cfg(96), world_size, probe.batch, compute, comm)
+        delta = max(0.0, (measure(probe, steps)[0] - pred.step_s) / _dp_all_reduces(pred))
+    return Calibration(world_size, comm, spread, compute, points, gamma, delta)
 
 
 def predict_all(configs, calibrations: dict) -> list:
@@ -273,9 +292,12 @@ def predict_all(configs, calibrations: dict) -> list:
     out = []
     for c in configs:
         cal = calibrations[c.world_size]
-        out.append(step_model.predict(c.strategy, lab_cfg(c.width), c.world_size, c.batch, cal.compute, cal.comm,
-                                      replicate=c.replicate, root_unit=None if c.strategy == "dp" else 0,
-                                      per_collective_s=cal.per_collective_s))
+        p = step_model.predict(c.strategy, lab_cfg(c.width), c.world_size, c.batch, cal.compute, cal.comm,
+                               replicate=c.replicate, root_unit=None if c.strategy == "dp" else 0,
+                               per_collective_s=cal.per_collective_s)
+        if c.strategy == "dp":          # DDP's own work (δ, see calibrate) in the framework term
+            p = dataclasses.replace(p, framework_s=cal.ddp_per_bucket_s * _dp_all_reduces(p))
+        out.append(p)
     return out
 
 
@@ -298,7 +320,8 @@ def run_all(configs=CONFIGS, repeats: int = 9, steps: int = 15, rounds: int = 1,
         for n in sorted({c.world_size for c in configs}):
             tick(f"round {k + 1}: calibrating on {n} ranks")
             r = max([c.replicate for c in configs if c.world_size == n] + [1])
-            cals[n] = calibrate(n, r, repeats, steps)
+            ddp = any(c.strategy == "dp" for c in configs if c.world_size == n)
+            cals[n] = calibrate(n, r, repeats, steps, ddp=ddp)
         preds.append(predict_all(configs, cals))       # written down before any of them is measured
         measured.append([])
         for c in configs:
@@ -316,9 +339,10 @@ def format_table(out: dict) -> str:
         pts = ", ".join(f"{f / 1e9:.2f} GFLOP: {t * 1e3:.1f} ms (spread {s:.2f})" for f, t, s in cal.compute_points)
         lines.append(f"  N={n} compute, all ranks at once: {cal.compute.overhead_s * 1e3:.1f} ms + FLOPs / "
                      f"{cal.compute.flops_per_s / 1e9:.1f} GFLOP/s  [{pts}]")
-        lines.append(f"  N={n} FSDP2's own work per all-gather / reduce-scatter γ = {cal.per_collective_s * 1e3:.2f} ms")
+        lines.append(f"  N={n} FSDP2's own work per all-gather / reduce-scatter γ = {cal.per_collective_s * 1e3:.2f} ms; "
+                     f"DDP's own work per bucket δ = {cal.ddp_per_bucket_s * 1e3:.2f} ms")
     k = len(out["measured"])
-    head = (f"{'configuration':<27}{'compute':>9}{'γ·calls':>9}{'comm':>9}{'predicted':>11}{'measured':>10}"
+    head = (f"{'configuration':<27}{'compute':>9}{'own work':>9}{'comm':>9}{'predicted':>11}{'measured':>10}"
             f"{'spread':>8}{'ratio':>7}")
     lines += ["", f"medians over {k} round(s), each: calibrate, predict, then measure", head, "-" * len(head)]
     med = statistics.median
