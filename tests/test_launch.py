@@ -10,8 +10,10 @@ from course_lib import launch
 from course_lib.launch import pool
 from course_lib.launch import LaunchTimeout, RankError
 
-# Runs alone under `make test`'s two workers (root conftest.py): deadlines of a few seconds and start-up times.
-pytestmark = pytest.mark.serial
+# Every test but the fifty launches runs alone under `make test`'s two workers (root conftest.py): deadlines of a
+# few seconds and start-up times. The fifty launches count flakes, with a 4 s bound per launch (a name-lookup
+# stall is 5 s, a launch ~0.1 s): the other worker's load is welcome there, as a learner's machine is busy too.
+serial = pytest.mark.serial
 
 
 def _rank_sum(x):
@@ -27,6 +29,7 @@ def _pool_procs(world_size):
     return list(pool._POOLS[(world_size, "gloo")].procs)
 
 
+@serial
 def test_results_in_rank_order_and_prints_labelled(capsys):
     out = launch.run(_rank_sum, 0.5, world_size=4)
     assert list(out) == [10.5] * 4
@@ -38,6 +41,7 @@ def test_results_in_rank_order_and_prints_labelled(capsys):
     assert sorted(rec.rank for rec in out.ledger) == [0, 1, 2, 3]
 
 
+@serial
 def test_function_defined_in_main_travels_by_value():
     ns = {"__name__": "__main__"}
     exec("def f(k):\n    import torch.distributed as dist\n    return dist.get_rank() * k\n", ns)
@@ -45,6 +49,7 @@ def test_function_defined_in_main_travels_by_value():
     assert list(launch.run(ns["f"], 3, world_size=3)) == [0, 3, 6]
 
 
+@serial
 def test_rank_info_inside_run():
     def info():
         i = launch.rank_info()
@@ -59,6 +64,7 @@ def _raise_on_two():
     dist.barrier()
 
 
+@serial
 def test_exception_on_one_rank_names_it_with_traceback_then_recovers():
     with pytest.raises(RankError) as err:
         launch.run(_raise_on_two, world_size=4, timeout=20)
@@ -76,6 +82,7 @@ def _skip_collective():
     return dist.get_rank()
 
 
+@serial
 def test_hang_ends_in_timeout_naming_stuck_ranks_and_leaves_nothing():
     launch.run(_rank_sum, 0.0, world_size=4)
     procs = _pool_procs(4)
@@ -96,6 +103,7 @@ def _die_on_three():
     dist.barrier()
 
 
+@serial
 def test_rank_killed_by_signal_is_named():
     with pytest.raises(RankError) as err:
         launch.run(_die_on_three, world_size=4, timeout=20)
@@ -107,6 +115,7 @@ def _sleep_long():
     time.sleep(60)
 
 
+@serial
 def test_interrupt_kills_the_pool_and_next_call_works():
     launch.run(_rank_sum, 0.0, world_size=2)
     procs = _pool_procs(2)
@@ -121,6 +130,7 @@ def test_interrupt_kills_the_pool_and_next_call_works():
     assert list(launch.run(_rank_sum, 0.0, world_size=2)) == [3.0, 3.0]
 
 
+@serial
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="world_size=0"):
         launch.run(_rank_sum, 0.0, world_size=0)
@@ -167,6 +177,7 @@ def _rendezvous():
     return os.environ.get("GLOO_SOCKET_IFNAME"), type(store).__name__
 
 
+@serial
 def test_ranks_meet_without_a_socket_or_a_name_lookup():
     """A file store (no port, no host name to resolve) and gloo bound to lo by interface name."""
     assert set(launch.run(_rendezvous, world_size=2)) == {("lo", "FileStore")}
