@@ -1,8 +1,6 @@
 """``python -m course_lib.train``: an alias of :mod:`course_lib.apps.train`, kept so the commands in the README
 and the labs stay short."""
-import sys
-
-from course_lib.apps.train import main
+from course_lib.apps.train import run_and_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -241,8 +241,11 @@ def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_
     assert re.search(r"^TEST_WORKERS \?= 2$", text, re.M)
     assert "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder" in text
     assert "pytest-xdist" in " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
-    for name in ("test_launch.py", "test_launch_faults.py", "test_wire.py"):
+    for name in ("test_launch_faults.py", "test_wire.py"):
         assert re.search(r"^pytestmark = pytest.mark.serial$", (ROOT / "tests" / name).read_text(), re.M), name
+    launch_tests = re.findall(r"^(@serial\n)?def (test_\w+)", (ROOT / "tests" / "test_launch.py").read_text(), re.M)
+    beside = [name for mark, name in launch_tests if not mark]     # a flake count: welcome beside the other worker
+    assert len(launch_tests) > 5 and beside == ["test_fifty_fresh_launches_in_a_row_no_flakes"], beside
     import nbformat
     conftest = _root_conftest()
     lab00 = nbformat.read(ROOT / "solutions" / "00_collectives.ipynb", as_version=4)
