@@ -141,6 +141,7 @@ def _learner_line(text: str) -> str:
     return ""
 
 
+_DISTCP = "a .distcp file is one rank's slices in DCP's layout, not a torch.save of the model: read the directory with dcp.load"
 #: (exception type or None for any, regex on its message, likely cause): the first match is named under the
 #: ❌ line of a crash. Causes only -- never the fix's code.
 _CAUSES: list[tuple[str | None, str, str]] = [
@@ -152,6 +153,15 @@ _CAUSES: list[tuple[str | None, str, str]] = [
     (None, r"'NoneType' object",
      "a value is None here: a function that returns nothing (list.reverse() and in-place ops do), or past "
      "the end of a chain (the last unit has no next)"),
+    (None, r"Missing key in checkpoint|Size mismatch",
+     "the state dict given to DCP has keys or shapes that differ from the saved ones: DCP loads into a "
+     "template with the saved names and shapes (the same top-level keys at save and at load, the same "
+     "keys on every rank and in every process)"),
+    (None, r"mixed torch\.Tensor and DTensor|full_state_dict",
+     "whole (full) tensors handed to a sharded model: a template and its hand-back must use the same "
+     "StateDictOptions, and a sharded template is what reshards without gathering anything"),
+    ("UnpicklingError", "", _DISTCP),
+    (None, r"dict-like|distcp|zip archive|Weights only load failed", _DISTCP),
     (None, r"incorrect number of gradients",
      "an autograd Function's backward returns one gradient per input of forward (None for a non-tensor)"),
     (None, r"setStorage|storage of size 0|freed storage",

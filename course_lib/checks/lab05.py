@@ -253,20 +253,14 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
             return "got is each device's slice of its OWN gradient: the sum over devices is missing (psum_scatter)"
     full1, shard1 = (16, 8 * n), (16, 8)                             # a weight cut along dim 1
     with checks.check(name, tests=TESTS["gather_pair"]) as c:
-        try:
-            fs, bs = _per_device_shapes(fwd, bwd, mesh, w.shape, (8, 24))
-            f, b, fin, bin_ = _per_device(fwd, bwd, mesh, w.shape, (8, 24), 0)
-            fwd_ops, bwd_ops = _collectives(f, fin), _collectives(b, bin_)
-            wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n, bwd_ops=bwd_ops)
-            if not wrong:
-                fs1, bs1 = _per_device_shapes(fwd, bwd, mesh, full1, shard1, dim=1)
-                wrong = _shape_mistake(fs1, bs1, full1, shard1, n, dim=1)
-        except NotImplementedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - an axis or argument mistake: JAX's own words, then ours
-            raise AssertionError(f"your code raised {type(e).__name__} under jax.shard_map: "
-                                 f"{str(e).splitlines()[0][:300]}\n   likely mistake: collectives over the mesh axis "
-                                 "'fsdp', along dimension `dim`") from None
+        # a crash in the answer (an axis or argument JAX refuses) propagates: check() names its line and likely cause
+        fs, bs = _per_device_shapes(fwd, bwd, mesh, w.shape, (8, 24))
+        f, b, fin, bin_ = _per_device(fwd, bwd, mesh, w.shape, (8, 24), 0)
+        fwd_ops, bwd_ops = _collectives(f, fin), _collectives(b, bin_)
+        wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n, bwd_ops=bwd_ops)
+        if not wrong:
+            fs1, bs1 = _per_device_shapes(fwd, bwd, mesh, full1, shard1, dim=1)
+            wrong = _shape_mistake(fs1, bs1, full1, shard1, n, dim=1)
         if wrong:
             raise AssertionError(wrong)
         wrong = _forward_cost_mistake(fwd_ops)
@@ -278,15 +272,7 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
             full = gather(ws, 0)
             return jax.grad(lambda s: ref_loss(gather(s, 0), xs) / n)(ws), full[None]
         f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS))))
-        try:
-            grad, fulls = f(*(jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (w, x)))
-        except Exception as e:  # a shape or axis mistake: JAX's own words, then ours (a stub's error passes)
-            if isinstance(e, NotImplementedError):
-                raise
-            raise AssertionError(f"your code raised {type(e).__name__} under jax.jit: "
-                                 f"{str(e).splitlines()[0][:300]}\n   hint: "
-                                 "forward all_gather(.., axis=dim, tiled=True) returns the full weight; backward "
-                                 "psum_scatter(.., scatter_dimension=dim, tiled=True) a shard's shape") from None
+        grad, fulls = f(*(jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in (w, x)))   # a crash: check() words it
         checks.assert_close("forward: the gathered weight on every device", np.asarray(fulls),
                             np.broadcast_to(w, (n, *w.shape)), rtol=0, atol=0, hint=checks.wrong_shard_offset(n, 1))
         checks.assert_close("backward: the gradient shards", np.asarray(grad), ref, rtol=1e-5, atol=1e-7,

@@ -133,7 +133,8 @@ def _crash_info(exc: BaseException, files: set[str], during: str) -> dict:
 
 
 def _likely_cause(info: dict) -> str:
-    """The likely mistake behind a crash, read from what the error says (not from which exercise it is)."""
+    """The likely mistake behind a crash, read from what the error says (not from which exercise it is): what only
+    DCP's context tells (a local shard's shape, the call that was made), then :func:`core.likely_cause`."""
     import re
     t, m, call = info["type"], info["msg"], info["call"]
     sizes = re.search(r"saved torch\.Size\(\[([\d, ]*)\]\) and current: torch\.Size\(\[([\d, ]*)\]\)", m)
@@ -144,29 +145,16 @@ def _likely_cause(info: dict) -> str:
             return (f"a template tensor of shape {now} where the checkpoint holds {saved}: a local shard (one rank's "
                     "rows, a plain tensor) that has lost its global shape; DCP reads each rank's slice into a "
                     "sharded tensor that knows the whole shape: keep the state dict's tensors as they come")
-    if "Missing key in checkpoint" in m or "Size mismatch" in m:
-        return ("the state dict given to DCP has keys or shapes that differ from the saved ones: DCP loads into a "
-                "template with the saved names and shapes (the same top-level keys at save and at load, the same "
-                "keys on every rank and in every process)")
-    if "setStorage" in m or "out of bounds for storage" in m:
+    if "setStorage" in m or "out of bounds for storage" in m:      # here: DCP reading into a template
         return ("a template tensor is smaller than the slice DCP reads into it: a local shard or a plain tensor "
                 "where the checkpoint holds a sharded one; build the template from this mesh's model")
-    if "mixed torch.Tensor and DTensor" in m or "full_state_dict" in m:
-        return ("whole (full) tensors handed to a sharded model: a template and its hand-back must use the same "
-                "StateDictOptions, and a sharded template is what reshards without gathering anything")
-    if any(w in m for w in ("dict-like", "distcp", "zip archive", "Weights only load failed")) or t == "UnpicklingError":
-        return ("a .distcp file is one rank's slices in DCP's layout, not a torch.save of the model: read the "
-                "directory with dcp.load")
-    if t == "KeyError":
-        return (f"your code reads the key {m} from a dict that does not have it: read the keys that were written "
-                "into it (a state dict comes back under the keys it was saved and templated with)")
-    if t == "AttributeError":
-        return "an attribute that does not exist: a typo, or a method of another object"
+    from course_lib.checks.core import likely_cause
+    by_message = likely_cause("", m)           # what the message says, whatever the exception's type
+    if by_message:
+        return by_message
     if t == "TypeError" and call:
         return f"{call}() was given an argument of a type it cannot use: check each argument against what it expects"
-    if t == "TypeError":
-        return "a value of the wrong type: check what each call on that line expects"
-    return "see the message; the full traceback says where"
+    return likely_cause(t, m) or "see the message; the full traceback says where"
 
 
 def _crash_message(info: dict, rank: int | None = None) -> str:
