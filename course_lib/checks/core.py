@@ -35,6 +35,7 @@ DEFAULT_TODO = ("fill in the code marked `# YOUR CODE HERE` above, run that cell
 _STUB_PREFIX = "Exercise not done yet:"
 Detector = Callable[[Any, Any], "str | None"]   #: (got, expected) numpy arrays -> likely mistake or None
 _ACTIVE: list["check"] = []          # checks whose block is running (innermost last)
+CRASH_PHRASE = "your code raised"    #: how every check's ❌ line for a crash in the learner's code begins
 
 
 class CheckFailed(AssertionError):
@@ -257,7 +258,7 @@ class check:
         line = _learner_line(text)
         _LAST_ERROR[0] = text
         cause = likely_cause(kind, " ".join(msg))
-        return self._wrong(f"❌ {self.name}: your code raised {kind}{where}"
+        return self._wrong(f"❌ {self.name}: {CRASH_PHRASE} {kind}{where}"
                            + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
                            + (f"\n   likely cause: {cause}" if cause else "")
                            + "\n   (full traceback: checks.last_error())")

@@ -19,13 +19,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from course_lib.checks.core import CRASH_PHRASE
 from course_lib.checks.registry import Exercise, verdict
 
 __all__ = ["VERDICTS", "ExerciseResult", "Prediction", "exercise_result", "predictions", "first_line"]
 
 #: Every verdict, in the order reports list them.
 VERDICTS = ("solved", "wrong", "not attempted", "crashed")
-_CRASH = "your code raised"
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def exercise_result(ex: Exercise, check_text: str, *, error: str | None = None,
     if state == "wrong":
         block = _block(check_text, at)
         head = block[0].split(":", 1)[1].strip()
-        if head.startswith(_CRASH):
+        if head.startswith(CRASH_PHRASE):
             return ExerciseResult(ex.lab, ex.name, "crashed", None, first_line(head))
         likely = next((l.strip() for l in block if l.strip().startswith("likely mistake:")), "")
         return ExerciseResult(ex.lab, ex.name, "wrong", tag, first_line(" ".join(p for p in (head, likely) if p), 300))

@@ -168,7 +168,7 @@ def _crash_message(info: dict, rank: int | None = None) -> str:
     wrapped = f" (inside DCP's {info['wrapped']})" if info["wrapped"] else ""
     core.keep_error(info["traceback"])               # checks.last_error() shows it, folded away from the ❌ line
     on = f" on rank {rank}" if rank is not None else ""
-    return (f"your code raised {info['type']}{wrapped}{on}{where}, during {info['during']}: {info['msg']}\n"
+    return (f"{core.CRASH_PHRASE} {info['type']}{wrapped}{on}{where}, during {info['during']}: {info['msg']}\n"
             f"   likely cause: {_likely_cause(info)}\n   (full traceback: checks.last_error())")
 
 

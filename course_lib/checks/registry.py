@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from course_lib.checks.core import register_hints
+from course_lib.checks.core import CRASH_PHRASE, register_hints
 
 __all__ = ["Exercise", "KINDS", "exercise", "exercises", "find", "verdict", "kill_table"]
 
@@ -43,8 +43,6 @@ KINDS = {
     "crash": "the answer raises: the check names the call, the rank and the line, never a raw traceback",
 }
 ALWAYS = ("value", "crash")
-#: What every check's ❌ line says when the learner's code raised (:class:`course_lib.checks.core.check`).
-CRASH_PHRASE = "your code raised"
 
 _REGISTRY: dict[tuple[str, str], "Exercise"] = {}
 
