@@ -51,6 +51,7 @@ from course_lib.launch.results import LaunchTimeout, RankError, RunResult
 DEFAULT_TIMEOUT_S = 45.0  # notebook-side deadline for one call; well under a minute
 _POOLS: dict = {}         # (world_size, backend) -> _Pool, at most _MAX_POOLS kept warm
 _MAX_POOLS = 2
+_STALE_DIRS: list = []    # rendezvous directories of killed pools, removed by _remove_stale_dirs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +124,8 @@ class _Pool:
                         "first_rank_forked": min(m[2]["enter"] for m in ready.values()),
                         "last_rank_forked": max(m[2]["enter"] for m in ready.values()),
                         "all_ranks_ready": max(m[2]["ready"] for m in ready.values())}
+
+        _remove_stale_dirs()  # any rank of an earlier, killed pool has had this whole start to leave
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -254,7 +257,12 @@ class _Pool:
             p.join(2)
         for c in self.conns + getattr(self, "_child_ends", []):
             c.close()  # a rank forked after an interrupt sees EOF during its start and leaves
-        shutil.rmtree(getattr(self, "tmpdir", ""), ignore_errors=True)
+        # The store's directory goes later (the next pool's start, or exit): a rank forked just as an
+        # interrupt landed is unknown to us, and a FileStore whose directory vanished spins in C++ holding
+        # the GIL, so the rank could not see its closed pipe. With the file there it reaches the
+        # rendezvous, sees the pipe closed and leaves.
+        if getattr(self, "tmpdir", None):
+            _STALE_DIRS.append(self.tmpdir)
         if _POOLS.get((self.world_size, self.backend)) is self:
             _POOLS.pop((self.world_size, self.backend), None)
 
@@ -454,9 +462,16 @@ def _want_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _remove_stale_dirs():
+    while _STALE_DIRS:
+        shutil.rmtree(_STALE_DIRS.pop(), ignore_errors=True)
+
+
 def shutdown() -> dict:
     """Stop every warm rank process (called automatically at exit); returns their exit codes."""
-    return {key: pool.stop() for key, pool in list(_POOLS.items())}
+    codes = {key: pool.stop() for key, pool in list(_POOLS.items())}
+    _remove_stale_dirs()
+    return codes
 
 
 atexit.register(shutdown)

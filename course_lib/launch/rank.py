@@ -99,6 +99,26 @@ def _leave_if_abandoned(conn, started: threading.Event):
             os._exit(1)
 
 
+def _release_fork_server():
+    """Close this rank's copy of the fork server's "alive" pipe.
+
+    multiprocessing hands every child of its fork server a copy of the pipe whose end tells the server
+    its client is gone. While a rank holds it, the server outlives the notebook (or script), so the
+    rank's PDEATHSIG, tied to the server, never fires: a rank stuck in a C++ call that holds the GIL
+    (a FileStore opening a removed directory) then outlived an interrupted script by minutes. Ranks
+    never fork through that server; should one ever need a fork server, multiprocessing starts its own.
+    """
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
+
+
 def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, conn, pg_timeout_s: float,
                 progress=None):
     """Body of one rank process (forked from the fork server).
@@ -108,11 +128,15 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
     global _RANK_INFO
     import time
     t_enter = time.time()  # wall clock: the pool compares it with its own (cold-start breakdown)
+    server = os.getppid()
     try:  # die with the fork server / notebook: no orphans even after a kernel crash
         import ctypes
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+    if os.getppid() != server:
+        os._exit(1)  # the fork server died before the line above armed PDEATHSIG
+    _release_fork_server()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook handles Ctrl-C and kills us
     os.environ["OMP_NUM_THREADS"] = "1"
     # gloo binds loopback by interface name: no hostname resolution, nothing reachable from outside.
