@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.apps import torchrun
-from course_lib.apps.train_config import RUN_RECORD, TrainConfig, write_run_record
+from course_lib.apps.train_config import QUIET_RANK_WAIT_S, RUN_RECORD, TrainConfig, write_run_record
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -103,6 +103,20 @@ def test_another_models_checkpoint_with_and_without_its_run_record(capfd, one_la
                 "is of another model (and", f"has no {RUN_RECORD} to say which)", "app.model.blocks.0.mlp.fc.weight "
                 "saved [198, 66] vs now [200, 66]", "15 tensor(s) differ", "point --ckpt-dir at a new directory")
     assert "Traceback" not in line
+
+
+def test_under_plain_torchrun_a_slow_rank_0_still_says_why(tmp_path):
+    """Rank 0 reaches its check 3 s after rank 1 (a loaded machine): rank 1 must not exit first, or torchrun stops
+    rank 0 before it prints (seen in a full run: torchrun's summary alone, no reason). Rank 1 waits for torchrun's
+    SIGTERM, which rank 0's exit brings at once: the run still fails fast."""
+    (tmp_path / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+    env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run"] + TORCHRUN + ["--lr", "-1"], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stderr.count("--lr -1.0 must be a positive learning rate") == 1, out.stderr
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*2\b", out.stderr), out.stderr  # rank 0 exited itself
+    assert time.monotonic() - t0 < 3 + QUIET_RANK_WAIT_S, "rank 1 waited out its whole wait: rank 0's exit should end it"
 
 
 def test_under_plain_torchrun_only_rank_0_speaks(tmp_path):

@@ -40,7 +40,8 @@ import sys
 import time
 
 from course_lib.apps.train_config import (RUN_RECORD, ConfigError, add_arguments, check_paths, check_ranks, check_resume,
-                                          from_args, quiet_parser_errors, write_run_record)
+                                          from_args, quiet_parser_errors, wait_for_rank_0,
+                                          write_run_record)
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
 
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
         cfg = preflight(args, world_env)
     except ConfigError as e:
         if rank_env == 0:
-            print(f"course_lib.train: {e}", file=sys.stderr)
+            print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
+        wait_for_rank_0(rank_env)
         return 2
     from course_lib.strategies.checkpoint.manager import CheckpointWriteError   # imports no torch
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TrainConfig", "ConfigError", "add_arguments", "from_args", "check_resume", "check_paths", "check_ranks",
-           "write_run_record", "RUN_RECORD", "MODEL_FIELDS", "quiet_parser_errors"]
+           "write_run_record", "RUN_RECORD", "MODEL_FIELDS", "quiet_parser_errors", "wait_for_rank_0"]
 
 RUN_RECORD = "run.json"   #: in the checkpoint directory: the configuration that wrote the checkpoints
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")  #: must match to resume
@@ -172,12 +172,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+#: How long a silent rank waits after a start-up error, under torchrun, before it exits too. torchrun stops every
+#: other worker as soon as one exits: a silent rank that exited first had rank 0 stopped before it printed its line
+#: (seen on a loaded machine: only torchrun's ChildFailedError, no reason). Rank 0's exit ends the wait at once
+#: (torchrun's SIGTERM); on another node it ends after this many seconds.
+QUIET_RANK_WAIT_S = 10.0
+
+
+def wait_for_rank_0(rank: int) -> None:
+    """On a rank other than 0 under torchrun: give rank 0 time to print why the run cannot start (see above)."""
+    import os
+    import time
+    if rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(QUIET_RANK_WAIT_S)
+
+
 def quiet_parser_errors(p: argparse.ArgumentParser, rank: int) -> argparse.ArgumentParser:
     """argparse's own errors (an unknown flag, ``--steps abc``) in one line from rank 0 only, exit status 2 on
     every rank: under torchrun every worker parses the same argv, and N usage blocks say nothing more."""
     def error(message):
         if rank == 0:
             p.exit(2, f"{p.prog}: bad flags, nothing was started: {message} (see --help)\n")
+        wait_for_rank_0(rank)
         p.exit(2)
     p.error = error
     return p
