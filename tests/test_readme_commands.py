@@ -169,6 +169,7 @@ def test_make_lab_test_install_recipes_dry_run(tmp_path):
         shutil.copy(ROOT / name, tmp_path / name)
     install = _run(["make", "-n", "install"], cwd=tmp_path)
     assert "-m venv .venv" in install and '-c constraints.txt -e ".[test]"' in install
+    assert install.count("--no-compile") == 2 and "-m compileall -q -j 0" in install   # compiled on every core
 
 
 def test_make_site_and_grade_a_stub(tmp_path):
