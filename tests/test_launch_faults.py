@@ -231,3 +231,27 @@ def test_script_without_main_guard_is_named_in_one_line(tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert 'put the call under `if __name__ == "__main__":`' in last, res.stderr[-2000:]
     assert res.stderr.count("calls course_lib.run() at import time") == 1
+
+
+def test_store_directories_of_gone_processes_are_removed(tmp_path, monkeypatch):
+    """A process that dies without its exit handlers (a kernel the grader killed) leaves its rendezvous directory;
+    the next pool's start removes it, by the pid in its name, and leaves a living process's alone."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([PY, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"course_lib-store-{gone.pid}-abc"
+    living = tmp_path / f"course_lib-store-{os.getppid()}-def"        # pytest's parent: alive
+    other = tmp_path / "course_lib-store-oldformat"                     # no pid: not ours to judge
+    for d in (dead, living, other):
+        d.mkdir()
+        (d / "store").write_text("x")
+    out = launch.run(_square, 3, world_size=2, fresh=True)
+    assert list(out) == [9, 9]
+    assert not dead.exists() and living.exists() and other.exists()
+    launch.shutdown()
+    assert not list(tmp_path.glob(f"course_lib-store-{os.getpid()}-*"))   # our own pool's, at shutdown
+
+
+def _square(x):
+    return x * x

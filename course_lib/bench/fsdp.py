@@ -11,9 +11,9 @@ it never runs while timing; CUDA: ``max_memory_allocated``), the model
 state kept between steps (parameters + gradients + AdamW state), and the ledger of one step against
 the analytic formula (:func:`costs.step_cost`: ``padding="flat"`` for ours, ``"dim0"`` for FSDP2).
 
-With DDP among them, every strategy warms up for at least 2 steps whatever ``--warmup`` says: its reducer rebuilds the gradient buckets in
-the *second* step, in the order the gradients arrived, and broadcasts that order from rank 0 (two small
-broadcasts, 76 B at 2 ranks), once. The timed steps are the steady state, as for the FSDPs.
+With DDP among them, every strategy warms up for at least 2 steps whatever ``--warmup`` says: DDP's reducer
+rebuilds the gradient buckets in the *second* step, in the order the gradients arrived, and broadcasts that order
+from rank 0 (two small broadcasts, 76 B at 2 ranks), once. The timed steps are the steady state, as for the FSDPs.
 
 Both FSDPs reshard every unit after forward (FSDP2's root is told ``reshard_after_forward=True``,
 its default would keep the root unsharded), so both move ``3(N-1)/N · Ψpad`` bytes per step.
