@@ -475,20 +475,11 @@ def _remove_stale_dirs():
         names = [n for n in os.listdir(root) if n.startswith(_STORE_PREFIX)]
     except OSError:
         return
+    import psutil
     for name in names:
         pid = name[len(_STORE_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True     # someone else's process: alive
-    return True
 
 
 def shutdown() -> dict:
