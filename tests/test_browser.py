@@ -188,6 +188,9 @@ def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
                 "s => [...s.options].map(o => o.text).join() === 'unit0')")
             sliced = page.locator(f"{own} .widget-dropdown:has(label:text-is('slices of')) select")
             assert sliced.evaluate("s => [...s.options].map(o => o.text)") == ["unit0"]
+            # the options and the table are two updates: the table may be drawn a moment after the options
+            page.wait_for_function(
+                "() => document.querySelectorAll('.ownership-widget table.slice-table tr').length === 5")
             assert page.locator(table_rows).count() == 1 + 4                  # header + one slice per rank
             assert "wte[0:" in page.locator(f"{own} table.slice-table").inner_text()
             readout = page.locator(f"{own} .widget-slider:has(label:text-is('world size')) .widget-readout")
