@@ -8,7 +8,8 @@
    loopback interface. They carry ``@pytest.mark.serial`` (a notebook cell: the tag ``serial``, as
    Lab 00's loopback measurement) and run *alone*:
    every item takes a shared lock, a serial item an exclusive one (two ``flock`` files, so a waiting
-   serial item is never starved by the other worker's stream of shared ones). Without xdist the locks
+   serial item is never starved by the other worker's stream of shared ones), kept across the serial items
+   that follow it in its file (the wait for the other worker's item to end is paid once). Without xdist the locks
    are not taken. The files are handed out longest first (a rough guess from the markers), so the
    run does not end on one long file.
 2. **Lab 06's two-node runs once, in tests/test_netns.py.** The two-node cells of Lab 06 (two network
@@ -42,8 +43,7 @@ class SerialLock:
         self._turnstile = open(f"{base}.turnstile", "a+")
         self._room = open(f"{base}.room", "a+")
 
-    @contextlib.contextmanager
-    def hold(self, alone: bool):
+    def enter(self, alone: bool) -> None:
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
@@ -52,12 +52,19 @@ class SerialLock:
             raise
         if not alone:
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+
+    def leave(self, alone: bool) -> None:
+        fcntl.flock(self._room, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool):
+        self.enter(alone)
         try:
             yield
         finally:
-            fcntl.flock(self._room, fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+            self.leave(alone)
 
 
 _LOCK: SerialLock | None = None
@@ -96,13 +103,29 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [i for group in sorted(files.values(), key=lambda g: -sum(map(_cost, g))) for i in group]
 
 
+_ALONE = False     #: this worker holds the room alone, from a serial item to the last of the serial items after it
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     # tryfirst: outermost, so the wait for the lock is not counted by pytest-timeout's per-test limit.
+    # Serial items in a row (a file of them) hold the room once: each wait for it is a wait for the other
+    # worker's item in progress to end (a notebook cell, or a 40 s test), and it is paid once, not per item.
+    global _ALONE
     if _LOCK is None:
         return (yield)
-    with _LOCK.hold(alone=runs_alone(item)):
+    if not runs_alone(item):
+        with _LOCK.hold(alone=False):
+            return (yield)
+    if not _ALONE:
+        _LOCK.enter(alone=True)
+        _ALONE = True
+    try:
         return (yield)
+    finally:
+        if nextitem is None or not runs_alone(nextitem):
+            _LOCK.leave(alone=True)
+            _ALONE = False
 
 
 @pytest.hookimpl(tryfirst=True)

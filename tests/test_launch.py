@@ -148,6 +148,12 @@ def _allreduce_one():
     return t[0].item()
 
 
+@serial
+def test_ranks_meet_without_a_socket_or_a_name_lookup():
+    """A file store (no port, no host name to resolve) and gloo bound to lo by interface name."""
+    assert set(launch.run(_rendezvous, world_size=2)) == {("lo", "FileStore")}
+
+
 def test_fifty_fresh_launches_in_a_row_no_flakes():
     """The gloo exit crash (SIGABRT at interpreter exit) must never surface: 50 pools, 0 failures.
 
@@ -175,9 +181,3 @@ def _rendezvous():
     while hasattr(store, "underlying_store"):          # PrefixStore -> the store ranks met through
         store = store.underlying_store
     return os.environ.get("GLOO_SOCKET_IFNAME"), type(store).__name__
-
-
-@serial
-def test_ranks_meet_without_a_socket_or_a_name_lookup():
-    """A file store (no port, no host name to resolve) and gloo bound to lo by interface name."""
-    assert set(launch.run(_rendezvous, world_size=2)) == {("lo", "FileStore")}

@@ -4,6 +4,7 @@ and a two-process JAX job across them move the inter-node bytes the ring formula
 reason, where the machine does not allow network namespaces (needs root/CAP_NET_ADMIN and iproute2)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -104,10 +105,19 @@ def test_interpreter_exit_cleans_up():
 
 
 @pytest.mark.slow
-def test_torchrun_two_agents_fsdp_vs_hsdp():
+def test_torchrun_two_agents_fsdp_vs_hsdp(tmp_path):
+    """`python -m course_lib bench two-node` as the README has a user type it (its --json holds what the report
+    was made from): FSDP and HSDP on two torchrun agents, the bytes on the cable against the model."""
     from course_lib.bench import two_node
-    res = two_node.run_torch(100, steps=2, timeout_s=150)
-    assert res["left_over"] == [] and not [n for n in _listed() if n.startswith(netns.PREFIX + str(os.getpid()))]
+    bench = subprocess.Popen([sys.executable, "-m", "course_lib", "bench", "two-node", "--steps", "2", "--json",
+                              str(tmp_path / "res.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stdout, stderr = bench.communicate(timeout=200)
+    assert bench.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["left_over"] == [] and "namespaces left behind: none" in stdout
+    assert not [n for n in _listed() if n.startswith(f"{netns.PREFIX}{bench.pid}")], _listed()
+    assert two_node.format_report(res) in stdout
     assert [w["node"] for w in res["where"]] == [0, 0, 1, 1]
     fsdp, hsdp = res["runs"]["fsdp"], res["runs"]["hsdp"]
     assert fsdp["losses"] == pytest.approx(hsdp["losses"], rel=1e-5)

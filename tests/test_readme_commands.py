@@ -53,9 +53,11 @@ RUNS = {
     "python -m course_lib bench fsdp": (HERE + "test_bench_fsdp_tiniest", '"fsdp"'),
     "python -m course_lib bench step-time": (HERE + "test_bench_step_time_tiniest", '"step-time"'),
     "python -m course_lib bench timeline": (HERE + "test_bench_timeline_tiniest", '"timeline"'),
-    "python -m course_lib bench two-node": (HERE + "test_bench_two_node_tiniest", '"two-node"'),
-    # the worker torchrun starts on each "node" of `bench two-node`
-    "python -m course_lib bench two-node-worker": (HERE + "test_bench_two_node_tiniest", "two_node_worker"),
+    "python -m course_lib bench two-node": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
+                                            '"two-node"'),
+    # the worker torchrun starts on each "node" of `bench two-node` (the test asserts the report it feeds)
+    "python -m course_lib bench two-node-worker": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
+                                                   "format_report"),
     "python -m course_lib bench gpu-mfu": (HERE + "test_gpu_mfu_quick", '"gpu-mfu"'),
     "python -m course_lib.bench.gpu_mfu": (HERE + "test_gpu_mfu_quick", "course_lib.bench.gpu_mfu"),
     "python -m course_lib.torchrun_demo": ("tests/test_torchrun.py::test_run_under_torchrun_two_processes",
@@ -241,17 +243,6 @@ def test_bench_timeline_tiniest(tmp_path):
                 "--layers", "1", "--steps", "1", "--prefetch", "default", "--out", str(tmp_path / "trace.json")])
     assert "prefetch=default" in out and "overlapped" in out
     assert json.loads((tmp_path / "trace_default.json").read_text())["traceEvents"]
-
-
-@pytest.mark.slow
-def test_bench_two_node_tiniest():
-    from course_lib.runtime import netns
-    ok, why = netns.available()
-    if not ok:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    # `bench two-node` starts two torchrun agents, each running course_lib.bench.two_node_worker
-    out = _run([PY, "-m", "course_lib", "bench", "two-node", "--rate", "0", "--steps", "1"], timeout=300)
-    assert "fsdp" in out.lower() and "hsdp" in out.lower()
 
 
 def test_gpu_mfu_quick(tmp_path):

@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jax", action="store_true", help="the JAX variant (jax.distributed, 2 CPU devices per node)")
     ap.add_argument("--tp", action="store_true", help="FSDP × tensor parallel, TP inside a node vs across the link")
     ap.add_argument("--verbose", action="store_true", help="show the workers' output")
+    ap.add_argument("--json", metavar="PATH", help="also write the whole result (what run_torch / run_jax return) "
+                                                   "to PATH, as JSON")
     a = ap.parse_args(argv)
     ok, why = netns.available()
     if not ok:
@@ -234,6 +236,8 @@ def main(argv=None) -> int:
                         kinds=("tp_in", "tp_across") if a.tp else ("fsdp", "hsdp"))
         print(format_report(res))
     print(f"namespaces left behind: {res['left_over'] or 'none'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res))
     return 1 if res["left_over"] else 0
 
 
