@@ -9,7 +9,10 @@ calibration too (the fusion rules of :mod:`course_lib.maths.planner_work` were w
 
 **Validation** -- :data:`VALIDATION`: 25 runs from three other publications, chosen before the planner was
 compared with any of them, never used to set a constant: 1B to 70B, A100-40GB, A100-80GB and H100, 8 to 256
-GPUs, 2K to 32K tokens, FSDP, HSDP and FSDP x TP, eager and compiled, bf16 and float8. Sources:
+GPUs, 2K to 32K tokens, FSDP, HSDP and FSDP x TP, eager and compiled, bf16 and float8. Not blind, though: two
+modelling choices were settled after the validation ratios had been seen -- the idle share stretches every GPU's
+compute (not the H100's alone), and MPT's rows are charged the Triton kernel's speed (a paper's figure, not a fit).
+No number was fitted to a validation row; runs from other sources are the real test. Sources:
 
 * [TT-H100] pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (Dec 2024), tables 1-4:
   Grand Teton H100 96 GB HBM2e, 500 W, 400 Gb/s RDMA per GPU.
