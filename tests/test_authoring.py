@@ -241,6 +241,20 @@ def test_help_lists_every_subcommand():
         assert name in out
 
 
+def test_bench_runs_without_the_notebook_tools():
+    """A machine with torch but no nbformat (a GPU box's own image, where `bench gpu-mfu` is run): every verb but
+    grade and site still parses and runs; those two say in one line what is missing and how to fix it."""
+    code = ("import sys; sys.modules['nbformat'] = None\n"   # as if nbformat were not installed
+            "from course_lib.apps import cli\n"
+            "assert cli.main(['bench', 'no_such_thing']) == 2\n"
+            "assert cli.main(['grade', 'class/']) == 2\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no benchmark 'no_such_thing'" in out.stderr
+    assert "course_lib grade: needs the Python package nbformat, which is not installed here. Fix: `make install`" \
+        in out.stderr
+
+
 def test_bench_unknown_lists_the_available_ones(capsys):
     assert main(["bench", "no_such_thing"]) == 2
     err = capsys.readouterr().err
