@@ -16,3 +16,20 @@ devices.setup_jax(8)
 # Wrong answers raise CheckFailed under the tests (a lab prints ❌ and falls back instead), so the
 # tests can assert each diagnosis; subprocesses and nbval kernels inherit it.
 os.environ.setdefault("COURSE_LIB_STRICT_CHECKS", "1")
+
+
+import pytest  # noqa: E402
+
+import reference_runs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def torch_reference(tmp_path_factory):
+    """The torch capstone, 2 ranks, 8 steps, never stopped (shared by the workers: tests/reference_runs.py)."""
+    return reference_runs.once(tmp_path_factory, "torch", reference_runs.torch_run)
+
+
+@pytest.fixture(scope="session")
+def jax_reference(tmp_path_factory):
+    """The JAX capstone, 2 processes x 2 devices, 8 steps, checkpoints at 4 and 8, never stopped (shared)."""
+    return reference_runs.once(tmp_path_factory, "jax", reference_runs.jax_run)

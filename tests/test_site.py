@@ -102,6 +102,7 @@ def test_every_page_loads_links_work_and_the_console_is_clean(site, server):
             assert page.url.endswith(f"solutions/{pages[2].name}")
             page.click("nav.course-nav >> nth=0 >> a[rel=next]")       # -> Lab 02
             assert page.url.endswith(f"solutions/{pages[3].name}")
+            page.wait_for_load_state("load")     # the URL changes when the navigation commits, before the page is parsed
             assert page.locator("p.course-widget").count() >= 1       # a widget without a picture says so
             page.screenshot(path=str(ARTIFACTS / "02-solution-page.png"))
             page.click("nav.course-nav >> nth=0 >> a[rel=prev]")

@@ -8,7 +8,12 @@
   coordinator (it hosts the coordination service every process depends on: the nearest thing ``train_jax``
   has to a launcher -- it has no launching parent; srun, or a person, starts each process). The survivor exits
   with a named error within 15 s; the ``4.orbax-checkpoint-tmp`` folder is named and passed over at
-  ``--resume``; step 2 restores, the losses equal a run that never stopped.
+  ``--resume``; step 2 restores, the losses equal a run that never stopped. (Process 1's case is also issue 24's
+  "a JAX process whose peer dies exits with a named error within 15 s": a save in flight or a training step, the
+  survivor learns of the death the same way, from the coordination service's missed heartbeats.)
+
+The runs that never stopped are trained once per pytest run, for this file and the others that compare with
+them (``tests/reference_runs.py``).
 
 "During" without timing luck: ``tests/fault_gate/sitecustomize.py`` (test-only, first on ``PYTHONPATH``) holds
 the save of one step open forever once it has begun, and says so with a file. Each case prints one row
@@ -90,19 +95,6 @@ def _row(case: str, expected: str):
               flush=True)
 
 
-@contextlib.contextmanager
-def _reaping(*procs):
-    """Whatever happens in the block, the given launches (and, through PR_SET_PDEATHSIG, their workers) end."""
-    try:
-        yield
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 def _run(argv, env=ENV, timeout=180):
     p = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -132,11 +124,10 @@ def _kill_the_agent_during_the_save(ck, log, gate) -> tuple[int, float, list[int
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(tmp_path):
+def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(torch_reference, tmp_path):
     from course_lib.strategies.checkpoint.manager import Checkpointer, step_dir
     ck, log, gate = tmp_path / "ck", tmp_path / "log.jsonl", tmp_path / "gate"
-    ref = _popen(TORCHRUN + ["--jsonl", str(tmp_path / "ref.jsonl")])    # the run that never stops, alongside
-    with _reaping(ref), _row("torch: SIGKILL of the torchrun agent during the DCP save of step 4 (2 gloo ranks)",
+    with _row("torch: SIGKILL of the torchrun agent during the DCP save of step 4 (2 gloo ranks)",
                              "workers die with the agent; step_00000004.partial named and ignored at --resume; "
                              "step 2 loads; resume exact; no debris left") as row:
         status, took, left = _kill_the_agent_during_the_save(ck, log, gate)
@@ -153,9 +144,8 @@ def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(tmp_path):
         row["observed"].append(f"--resume says {named}")
         assert named == [f"course_lib.train: ignored {step_dir(ck, 4, partial=True)}: an unfinished save (never "
                          "committed)"], again.stderr[-3000:]
-        _, err = ref.communicate(timeout=180)
-        assert ref.returncode == 0, err[-3000:]
-        want, before, after = (_curve(tmp_path / n) for n in ("ref.jsonl", "log.jsonl", "resumed.jsonl"))
+        want = _curve(torch_reference / "log.jsonl")          # the run that never stopped (tests/reference_runs.py)
+        before, after = (_curve(tmp_path / n) for n in ("log.jsonl", "resumed.jsonl"))
         differ = [s for s in want if {**before, **after}.get(s) != want[s]]
         row["observed"].append(f"resumed at step {min(after)}; {len(differ)} of {len(want)} losses differ from the "
                                "run that never stopped")
@@ -180,24 +170,6 @@ def _jax(extra, envs):
     port = _free_port()
     return [_popen(JAX + extra + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
                                   str(i)], env) for i, env in enumerate(envs)]
-
-
-@pytest.fixture(scope="module")
-def jax_reference(tmp_path_factory):
-    """The JAX run that never stops: started when the first case starts, waited for when a case needs it."""
-    log = tmp_path_factory.mktemp("jax_ref") / "ref.jsonl"
-    procs = _jax(["--jsonl", str(log)], [ENV, ENV])
-
-    def curve():
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-        return _curve(log)
-    yield curve
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 @pytest.mark.slow
@@ -244,7 +216,7 @@ def test_sigkill_of_a_jax_process_during_an_orbax_save(jax_reference, tmp_path, 
         row["observed"].append(f"--resume says {named}")
         assert named == [f"course_lib.train_jax: ignored {ck / tmp[0]}: an unfinished save (never committed)"], \
             err0[-3000:]
-        want, before, after = jax_reference(), _curve(log), _curve(resumed)
+        want, before, after = _curve(jax_reference / "log.jsonl"), _curve(log), _curve(resumed)
         differ = [s for s in want if {**before, **after}.get(s) != want[s]]
         row["observed"].append(f"resumed at step {min(after)}; {len(differ)} of {len(want)} losses differ from the "
                                "run that never stopped")
