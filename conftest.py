@@ -11,7 +11,10 @@
    serial item is never starved by the other worker's stream of shared ones), kept across the serial items
    that follow it in its file (the wait for the other worker's item to end is paid once). Without xdist the locks
    are not taken. The files are handed out longest first (a rough guess from the markers), so the
-   run does not end on one long file.
+   run does not end on one long file, and the files with serial items last: each serial stretch first
+   waits for the other worker's item in progress to end, and at the end of the run those are the unit
+   tests' fractions of a second, not a 40 s notebook or capstone run (measured: 80 s of waiting when they
+   came mid-run).
 2. **Lab 06's two-node runs once, in tests/test_netns.py.** The two-node cells of Lab 06 (two network
    namespaces, a throttled link, two torchrun agents, two ``jax.distributed`` processes: ~27 s) print
    timings, so nbval cannot compare them; tests/test_netns.py runs the same functions and asserts what
@@ -93,14 +96,15 @@ def _cost(item) -> float:
 
 def pytest_collection_modifyitems(config, items):
     # Under xdist (Makefile: --no-loadscope-reorder) files are handed to the workers in collection order:
-    # the longest first, so the run does not end with one worker on a 40 s file while the other idles.
-    # Each file keeps its own order; the sort is stable, so both workers collect the same order.
+    # the longest first, so the run does not end with one worker on a 40 s file while the other idles, and
+    # the files with serial items last (the module docstring says why). Each file keeps its own order; the sort is stable, so both workers collect the same order.
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(str(item.path), []).append(item)
-    items[:] = [i for group in sorted(files.values(), key=lambda g: -sum(map(_cost, g))) for i in group]
+    order = sorted(files.values(), key=lambda g: (any(map(runs_alone, g)), -sum(map(_cost, g))))
+    items[:] = [i for group in order for i in group]
 
 
 _ALONE = False     #: this worker holds the room alone, from a serial item to the last of the serial items after it
