@@ -97,7 +97,8 @@ def _cost(item) -> float:
 def pytest_collection_modifyitems(config, items):
     # Under xdist (Makefile: --no-loadscope-reorder) files are handed to the workers in collection order:
     # the longest first, so the run does not end with one worker on a 40 s file while the other idles, and
-    # the files with serial items last (the module docstring says why). Each file keeps its own order; the sort is stable, so both workers collect the same order.
+    # the files with serial items last (the module docstring says why). Each file keeps its own order; the
+    # sort is stable, so both workers collect the same order.
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     files: dict[str, list] = {}

@@ -26,6 +26,12 @@ for _k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "COURSE_TEST_SAV
     ENV.pop(_k, None)   # conftest's 8 simulated devices are not the capstone's; no fault gate in a reference
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
     """The folder ``make(folder)`` filled, made by whichever worker of this pytest run asked first."""
     base = tmp_path_factory.getbasetemp()
@@ -64,9 +70,7 @@ def torch_run(folder: Path) -> None:
 def jax_run(folder: Path) -> None:
     """2 processes x 2 CPU devices, never stopped, an Orbax checkpoint at steps 4 and 8: ``folder/log.jsonl``,
     ``folder/ck``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "course_lib.train_jax", "--cpu-devices", "2", *SMALL, "--ckpt-dir",
             str(folder / "ck"), "--ckpt-every", "4", "--jsonl", str(folder / "log.jsonl"), "--coordinator",
             f"127.0.0.1:{port}", "--num-processes", "2"]

@@ -22,13 +22,13 @@ import pytest
 
 from course_lib.apps import torchrun
 from course_lib.apps.train_config import QUIET_RANK_WAIT_S, RUN_RECORD
+from reference_runs import SMALL          # the flags torch_reference was trained with
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 for k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES"):
     ENV.pop(k, None)
 TORCHRUN = ["--standalone", "--nproc-per-node", "2", "-m", "course_lib.train"]
-SMALL = ["--steps", "8", "--batch", "8", "--n-layers", "2"]
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from reference_runs import ENV, REPO, SMALL, free_port   # the configuration the runs that never stopped used
+
 GATE = REPO / "tests" / "fault_gate"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-for k in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "COURSE_TEST_SAVE_GATE"):
-    ENV.pop(k, None)
-SMALL = ["--steps", "8", "--batch", "8", "--n-layers", "2"]
 TORCHRUN = [sys.executable, "-m", "course_lib.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
             "course_lib.train"] + SMALL
 JAX = [sys.executable, "-m", "course_lib.train_jax", "--cpu-devices", "2"] + SMALL
@@ -160,14 +156,8 @@ def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(torch_reference, tmp_pa
 
 
 # -- JAX: one of two processes killed during an Orbax save ------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _jax(extra, envs):
-    port = _free_port()
+    port = free_port()
     return [_popen(JAX + extra + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
                                   str(i)], env) for i, env in enumerate(envs)]
 
