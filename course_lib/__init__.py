@@ -4,7 +4,8 @@ A module imports its own layer and the layers its layer may import, nothing else
 graph (``MAY_IMPORT`` in ``tests/test_layers.py``, which also sees lazy and string imports, cycles and
 private names borrowed across modules). Lowest first, each with what it may import::
 
-  runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine)
+  runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine), imports
+               (heavy imports with the garbage collector paused and frozen: a quicker start)
   comm/        ledger (record types), shim (flat all-gather / reduce-scatter), collectives (all-reduce from
                its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO)
                  <- runtime
@@ -13,7 +14,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
-  launch/      pool (run a notebook function on N ranks), rank (the rank side), results
+  launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
+               rank side), results
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)

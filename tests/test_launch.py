@@ -57,6 +57,18 @@ def test_rank_info_inside_run():
     assert launch.run(info, world_size=2) == [(0, 2, "gloo", "cpu"), (1, 2, "gloo", "cpu")]
 
 
+def _what_the_rank_inherited():
+    import gc
+    import sys
+    return gc.isenabled(), gc.get_freeze_count() > 0, "torch._dynamo" in sys.modules
+
+
+def test_ranks_inherit_the_fork_servers_imports_frozen():
+    """The fork server imported ``PRELOAD["full"]`` (dynamo among it) with the collector paused and froze it
+    (launch.preload): each rank starts with it imported, frozen, and its collector on."""
+    assert launch.run(_what_the_rank_inherited, world_size=2) == [(True, True, True)] * 2
+
+
 def _raise_on_two():
     import torch.distributed as dist
     if dist.get_rank() == 2:

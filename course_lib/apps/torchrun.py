@@ -51,6 +51,8 @@ def _check_train_flags(config, cmd_args) -> int:
 
 
 def main(argv=None) -> int:
+    from course_lib.runtime.imports import import_quickly
+    import_quickly(["torch.distributed.run"])   # the agent's start-up is this import: the collector paused, faster
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser, run

@@ -50,6 +50,8 @@ PEER_TIMEOUT_S = 8   #: seconds without a heartbeat before a process is declared
 
 
 def _initialize(a) -> None:
+    from course_lib.runtime.imports import import_quickly
+    import_quickly(["jax", "jax.numpy", "optax", "flax.nnx", "orbax.checkpoint"])   # the collector paused: faster
     import jax
     if a.cpu_devices:
         jax.config.update("jax_platforms", "cpu")

@@ -1,6 +1,7 @@
 """The launch layer: run a function defined in a notebook cell on N ranks, get every rank's result.
 
-Modules: :mod:`~course_lib.launch.pool` (the notebook side: fork server, rank pool, ``run``) and
+Modules: :mod:`~course_lib.launch.pool` (the notebook side: fork server, rank pool, ``run``),
+:mod:`~course_lib.launch.preload` (what the fork server imports, once, for every rank),
 :mod:`~course_lib.launch.rank` (what runs inside each rank process), :mod:`~course_lib.launch.results`
 (what a call returns or raises).
 """

@@ -58,10 +58,10 @@ _STORE_PREFIX = "course_lib-store-"
 # ---------------------------------------------------------------------------------------------
 # notebook side
 # ---------------------------------------------------------------------------------------------
-#: What the fork server imports once for every rank. "full" (the default) adds FSDP2/DDP, DTensor,
-#: dynamo (which the first optimizer or DDP imports) and the course's models: 4 ranks importing them on
-#: 2 cores cost 4-7 s per lab, once in the server about 1 s. "minimal" makes the very first call of a
-#: kernel about 1 s faster (2.9 s vs 4 s on the course machine) for labs that never touch those.
+#: What the fork server imports once for every rank (:mod:`.preload`, the garbage collector paused and frozen).
+#: "full" (the default) adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports) and the
+#: course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
+#: "minimal" makes the very first call of a kernel about 0.6 s faster, for labs that never touch those.
 PRELOAD = {
     "minimal": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger"],
     "full": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger", "torch.distributed.fsdp",
@@ -76,7 +76,7 @@ def _context():
     mode = os.environ.get("COURSE_LIB_PRELOAD", "full")
     if mode not in PRELOAD:
         raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of {sorted(PRELOAD)}")
-    ctx.set_forkserver_preload(PRELOAD[mode])
+    ctx.set_forkserver_preload(["course_lib.launch.preload"])   # imports PRELOAD[mode], the collector paused
     return ctx
 
 

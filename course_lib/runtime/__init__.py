@@ -1,5 +1,6 @@
 """The runtime layer: which devices there are, which backend to use, JAX's simulated devices.
 
-Modules: :mod:`~course_lib.runtime.devices`, :mod:`~course_lib.runtime.netns` (two "nodes" on one machine).
+Modules: :mod:`~course_lib.runtime.devices`, :mod:`~course_lib.runtime.netns` (two "nodes" on one machine),
+:mod:`~course_lib.runtime.imports` (heavy imports, the garbage collector paused and frozen).
 Imports nothing else of course_lib.
 """
