@@ -63,6 +63,7 @@ def _what_the_rank_inherited():
     return gc.isenabled(), gc.get_freeze_count() > 0, "torch._dynamo" in sys.modules
 
 
+@serial
 def test_ranks_inherit_the_fork_servers_imports_frozen():
     """The fork server imported ``PRELOAD["full"]`` (dynamo among it) with the collector paused and froze it
     (launch.preload): each rank starts with it imported, frozen, and its collector on."""
