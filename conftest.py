@@ -21,17 +21,32 @@
    the cells show (the bytes on the cable against the formula, the report, the traffic widget) and more.
    So every notebook kernel under pytest starts with ``COURSE_LIB_TWO_NODE=0`` and takes the lab's own
    "skipped" branch, which a learner without permission for namespaces also gets.
+3. **One JAX compilation cache for the whole run.** The same programs are compiled again and again in
+   separate processes: a lab's solution and its wrong-answer run, the JAX capstone's reference, killed and
+   resumed runs. JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, a documented JAX option)
+   in one fresh folder per run, which every worker, kernel and subprocess inherits, makes the second compile a
+   read (measured: Lab 05 in 9.4 s instead of 12.0 s, a capstone process 3.3 instead of 4.3 CPU-s). The
+   programs and their results are the same; the folder goes when the run ends. Set it yourself to keep one.
 """
 import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 _ORIGINAL = os.environ.get("COURSE_LIB_TWO_NODE")
+
+# Here, at import: before any conftest or test module imports JAX, which reads its options once. The controller
+# of `pytest -n N` (or a plain pytest) makes the folder; the workers it starts later inherit the variable.
+_JAX_CACHE_MADE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+    _JAX_CACHE_MADE = tempfile.mkdtemp(prefix="fsdp-course-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE_MADE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # the labs' programs compile fast
 
 
 class SerialLock:
@@ -78,6 +93,11 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):       # a worker of `pytest -n N`: share the machine politely
         tag = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
+
+
+def pytest_unconfigure(config):
+    if _JAX_CACHE_MADE is not None:
+        shutil.rmtree(_JAX_CACHE_MADE, ignore_errors=True)
 
 
 def runs_alone(item) -> bool:
