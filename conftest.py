@@ -30,6 +30,7 @@
 """
 import contextlib
 import fcntl
+import gc
 import hashlib
 import os
 import shutil
@@ -93,6 +94,13 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):       # a worker of `pytest -n N`: share the machine politely
         tag = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
+
+
+def pytest_collection_finish(session):
+    # Collection imported torch, JAX, nbformat and every test module: millions of objects that live until the
+    # end. Frozen (gc.freeze, as course_lib.runtime.imports does), the collections of the next ten minutes skip
+    # them instead of walking them all each time.
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
