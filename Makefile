@@ -52,7 +52,9 @@ system-deps:
 # TEST_WORKERS=0 runs everything in one process.
 # pytest's own exit status is kept in test-artifacts/pytest-exit-status for .ci/run (make only says 2).
 TEST_WORKERS ?= 2
-test: $(STAMP) system-deps
+# The install and the Debian packages go side by side (-j 2): pip keeps one core busy, apt-get mostly waits.
+test:
+	@$(MAKE) --no-print-directory -j 2 $(STAMP) system-deps
 	@mkdir -p test-artifacts
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; status=$$?; \
 		echo $$status > test-artifacts/pytest-exit-status; exit $$status
