@@ -51,9 +51,15 @@ keeps working. Vocabulary (sharded parameter, all-gather output, padding, unit, 
 in :mod:`course_lib.maths.sharding` and :mod:`course_lib.comm.ledger`.
 
 Importing this package imports neither torch's distributed machinery nor JAX, so a lab can set the
-number of simulated JAX devices after ``import course_lib``.
+number of simulated JAX devices after ``import course_lib``. In a Jupyter kernel it pauses the garbage collector
+until the end of the cell that imports it (every lab's first cell, which imports torch and JAX next), then
+freezes what that cell imported: :func:`course_lib.runtime.imports.quicker_first_cell`.
 """
-from course_lib.launch import LaunchTimeout, RankError, rank_info, run, shutdown
+from course_lib.runtime import imports as _imports
+
+_imports.quicker_first_cell()   # in a Jupyter kernel: the rest of this cell's imports, the collector paused
+
+from course_lib.launch import LaunchTimeout, RankError, rank_info, run, shutdown  # noqa: E402
 from course_lib.comm.ledger import CollectiveRecord, Ledger
 from course_lib.runtime.devices import banner, choose_backend, describe, setup_jax
 

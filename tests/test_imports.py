@@ -33,3 +33,25 @@ def test_a_collector_that_was_off_stays_off_and_an_import_error_is_not_swallowed
     with pytest.raises(ModuleNotFoundError):
         import_quickly(["course_lib_no_such_module"])
     assert gc.isenabled()
+
+
+def test_in_a_kernel_the_cell_that_imports_course_lib_runs_with_the_collector_paused():
+    """An IPython shell (what a Jupyter kernel runs): paused during the importing cell, frozen and back on after it;
+    outside IPython, nothing happens."""
+    import subprocess
+    code = """
+import gc
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("import gc, course_lib, colorsys\\nduring = gc.isenabled()")
+print(shell.user_ns["during"], gc.isenabled(), gc.get_freeze_count() > 0)
+shell.run_cell("import json")
+print(gc.isenabled(), len(shell.events.callbacks["post_run_cell"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    during, after, frozen, *_ = out.stdout.split()
+    assert (during, after, frozen) == ("False", "True", "True"), out.stdout
+    assert out.stdout.split()[3] == "True"
+    from course_lib.runtime.imports import quicker_first_cell
+    assert quicker_first_cell() is False and gc.isenabled()      # pytest: no IPython shell, nothing changes
