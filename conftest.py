@@ -96,12 +96,12 @@ def pytest_configure(config):
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
 
 
-# A worker's collection imports torch, JAX, nbformat and every test module: millions of objects that live until
-# the end. The collector is paused while they import (from here, the first conftest a worker imports) and they
-# are frozen when collection ends (as course_lib.runtime.imports does): the collections of the next ten minutes
-# skip them instead of walking them all each time.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    gc.disable()
+def pytest_sessionstart(session):
+    # A worker's collection imports torch, JAX, nbformat and every test module: millions of objects that live
+    # until the end. The collector is paused while they import and they are frozen when collection ends (as
+    # course_lib.runtime.imports does): the collections of the next ten minutes skip them.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        gc.disable()
 
 
 def pytest_collection_finish(session):
