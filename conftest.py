@@ -96,17 +96,11 @@ def pytest_configure(config):
         _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
 
 
-def pytest_sessionstart(session):
-    # A worker's collection imports torch, JAX, nbformat and every test module: millions of objects that live
-    # until the end. The collector is paused while they import and they are frozen when collection ends (as
-    # course_lib.runtime.imports does): the collections of the next ten minutes skip them.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        gc.disable()
-
-
 def pytest_collection_finish(session):
+    # Collection imported torch, JAX, nbformat and every test module: millions of objects that live until the
+    # end. Frozen (gc.freeze, as course_lib.runtime.imports does), the collections of the next ten minutes skip
+    # them instead of walking them all each time.
     gc.freeze()
-    gc.enable()
 
 
 def pytest_unconfigure(config):
