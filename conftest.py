@@ -89,11 +89,16 @@ class SerialLock:
 _LOCK: SerialLock | None = None
 
 
+def _lock_base(config) -> Path:
+    """The lock files' path without suffix: one pair per checkout, shared by the workers of a run."""
+    tag = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}"
+
+
 def pytest_configure(config):
     global _LOCK
     if os.environ.get("PYTEST_XDIST_WORKER"):       # a worker of `pytest -n N`: share the machine politely
-        tag = hashlib.sha1(str(config.rootpath).encode()).hexdigest()[:12]
-        _LOCK = SerialLock(Path(tempfile.gettempdir()) / f"fsdp-course-tests-{os.getuid()}-{tag}")
+        _LOCK = SerialLock(_lock_base(config))
 
 
 def pytest_collection_finish(session):
@@ -106,6 +111,9 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
     if _JAX_CACHE_MADE is not None:
         shutil.rmtree(_JAX_CACHE_MADE, ignore_errors=True)
+    if not os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "numprocesses", None):
+        for suffix in (".turnstile", ".room"):     # the controller, after its workers: the lock files go too
+            Path(f"{_lock_base(config)}{suffix}").unlink(missing_ok=True)
 
 
 def runs_alone(item) -> bool:

@@ -66,8 +66,11 @@ def _what_the_rank_inherited():
 @serial
 def test_ranks_inherit_the_fork_servers_imports_and_an_ordinary_collector():
     """The fork server imported ``PRELOAD["full"]`` (dynamo among it) with the collector paused and froze it
-    (launch.preload): each rank starts with it imported, unfrozen again, and its collector on."""
-    assert launch.run(_what_the_rank_inherited, world_size=2) == [(True, 0, True)] * 2
+    (launch.preload): each rank starts with it imported and still frozen (its collections skip the shared
+    pages), and its collector on."""
+    results = launch.run(_what_the_rank_inherited, world_size=2)
+    assert [(on, dynamo) for on, _, dynamo in results] == [(True, True)] * 2
+    assert all(frozen > 100_000 for _, frozen, _ in results), results
 
 
 def _raise_on_two():
