@@ -155,12 +155,15 @@ def test_jax_two_processes_fsdp_vs_hsdp():
 
 
 @pytest.mark.slow
-@pytest.mark.serial       # it times steps: alone on the machine, as the model assumes
 def test_torchrun_two_agents_tensor_parallel_placement():
     """FSDP × TP on two nodes, TP inside a node (``tp_in``) vs across the link (``tp_across``): the same losses,
     the cable bytes of each equal to the model's (formula × gloo's factor, + < 8 % of headers), TP across puts
     several times more on the cable, and step times sit in the model's stated band: at least half its
-    prediction (it leaves out FSDP2's CPU cost per step, never adds any) and at most 8×."""
+    prediction (it leaves out FSDP2's CPU cost per step, never adds any) and at most 8×.
+
+    Not ``serial``: the cable's bytes are counted on the namespaces' own link (no other test's traffic), the
+    compute the prediction uses is measured in the same run, beside the same load, and measured/predicted step
+    time was 2.0 (TP inside) and 1.4 (TP across) alone: a second worker beside it stays inside the band."""
     from course_lib.bench import two_node
     res = two_node.run_torch(100, steps=2, batch=32, kinds=("tp_in", "tp_across"), timeout_s=200)
     assert res["left_over"] == []

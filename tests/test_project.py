@@ -174,7 +174,10 @@ def test_nbval_config_compares_a_solution_and_runs_its_lab(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
          str(tmp_path / SMOKE.name), str(tmp_path / "labs" / SMOKE.name)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        # not one of this run's xdist workers: it would take their serial lock, and wait for a serial item that
+        # waits for the test holding the lock (this one)
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert re.search(r"\b10 passed\b", result.stdout), result.stdout[-2000:]
 
