@@ -55,7 +55,7 @@ system-deps:
 # TEST_WORKERS=0 runs everything in one process.
 # pytest's own exit status is kept in test-artifacts/pytest-exit-status for .ci/run (make only says 2).
 TEST_WORKERS ?= 2
-# The install and the Debian packages go side by side (-j 2): pip keeps one core busy, apt-get mostly waits.
+# The install and the Debian packages go side by side (-j 2): the install keeps the cores busy, apt-get mostly waits.
 test:
 	@$(MAKE) --no-print-directory -j 2 $(STAMP) system-deps
 	@mkdir -p test-artifacts

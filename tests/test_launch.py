@@ -64,7 +64,7 @@ def _what_the_rank_inherited():
 
 
 @serial
-def test_ranks_inherit_the_fork_servers_imports_and_an_ordinary_collector():
+def test_ranks_inherit_the_fork_servers_imports_frozen_and_their_collector_on():
     """The fork server imported ``PRELOAD["full"]`` (dynamo among it) with the collector paused and froze it
     (launch.preload): each rank starts with it imported and still frozen (its collections skip the shared
     pages), and its collector on."""

@@ -4,8 +4,8 @@ Importing torch, FSDP2, DTensor and dynamo creates millions of long-lived object
 classes, registries), none of them garbage. The collector, left on, walks them again and again while they
 import and again at every full collection afterwards. :func:`import_quickly` pauses it, then moves everything
 alive into its permanent generation (``gc.freeze``), which later collections skip. That is also the
-documented recipe for a process that forks without exec, as the launcher's fork server does; its ranks unfreeze
-again (launch.rank), so that their collector runs when it would in any process.
+documented recipe for a process that forks without exec, as the launcher's fork server does: no rank's
+collection touches, and so copies, the pages of the objects it inherited (launch.rank).
 
 :func:`quicker_first_cell` does the same for a notebook: ``import course_lib`` (every lab's first line) pauses
 the collector in a Jupyter kernel until the end of that cell, whose other imports are torch, JAX and matplotlib,
