@@ -21,7 +21,12 @@
    the cells show (the bytes on the cable against the formula, the report, the traffic widget) and more.
    So every notebook kernel under pytest starts with ``COURSE_LIB_TWO_NODE=0`` and takes the lab's own
    "skipped" branch, which a learner without permission for namespaces also gets.
-3. **One JAX compilation cache for the whole run.** The same programs are compiled again and again in
+3. **The labs as shipped measure less.** labs/07 and 08 run under nbval to show that every cell runs with the
+   exercises' stubs in place; nbval does not compare their outputs (only the solutions'). Their kernels start with
+   ``COURSE_LIB_QUICK=1``: Lab 08's benchmarks (:mod:`course_lib.bench.step_time`) time 3 windows and 4 steps
+   instead of 9 and 10-15 -- the same code, noisier numbers (measured: labs/08 alone in 25-28 s instead of 38 s).
+   The solutions measure in full.
+4. **One JAX compilation cache for the whole run.** The same programs are compiled again and again in
    separate processes: a lab's solution and its wrong-answer run, the JAX capstone's reference, killed and
    resumed runs. JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, a documented JAX option)
    in one fresh folder per run, which every worker, kernel and subprocess inherits, makes the second compile a
@@ -40,6 +45,7 @@ from pathlib import Path
 import pytest
 
 _ORIGINAL = os.environ.get("COURSE_LIB_TWO_NODE")
+_ORIGINAL_QUICK = os.environ.get("COURSE_LIB_QUICK")
 
 # Here, at import: before any conftest or test module imports JAX, which reads its options once. The controller
 # of `pytest -n N` (or a plain pytest) makes the folder; the workers it starts later inherit the variable.
@@ -169,16 +175,21 @@ def pytest_runtest_protocol(item, nextitem):
             _ALONE = False
 
 
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # tryfirst: before the notebook's kernel starts (nbval starts it in the first cell's setup), so the
-    # kernel inherits the setting.
-    if item.path.suffix == ".ipynb":
-        os.environ["COURSE_LIB_TWO_NODE"] = "0"
-    elif _ORIGINAL is None:
-        os.environ.pop("COURSE_LIB_TWO_NODE", None)
-    else:
-        os.environ["COURSE_LIB_TWO_NODE"] = _ORIGINAL
+    # kernel inherits the settings; every other item gets the ones the run started with.
+    notebook = item.path.suffix == ".ipynb"
+    _set("COURSE_LIB_TWO_NODE", "0" if notebook else _ORIGINAL)
+    as_shipped = notebook and item.path.parent.name == "labs"     # does every cell run? outputs not compared
+    _set("COURSE_LIB_QUICK", "1" if as_shipped else _ORIGINAL_QUICK)
 
 
 #: labs/ notebooks that nbval does not collect: tests/test_labs_wrong_answers.py runs each of them top to bottom

@@ -89,3 +89,34 @@ def test_ddp_own_work_is_added_to_dp_only_per_bucket():
     buckets = sum(o.count for o in dp.cost.ops if o.op == "all_reduce")
     assert buckets >= 1 and dp.framework_s == 2e-3 * buckets
     assert fsdp.framework_s == 3e-3 * fsdp.framework_calls
+
+
+
+class _Ranks(list):
+    backend = "gloo"
+
+
+@pytest.mark.parametrize("quick, windows, steps", [(None, 9, 15), ("1", step_time.QUICK_REPEATS, step_time.QUICK_STEPS)])
+def test_quick_mode_caps_windows_and_steps_and_nothing_else(monkeypatch, quick, windows, steps):
+    """``COURSE_LIB_QUICK=1`` (the suite's as-shipped lab runs) times fewer windows and steps; the same calls else."""
+    import course_lib.launch
+    calls = []
+
+    def fake_run(fn, *args, world_size, **kw):
+        calls.append((fn.__name__, args))
+        if fn is step_time.time_steps_on_rank:
+            return _Ranks([[1e-4 * args[1].d_model * (1 + i % 2) for i in range(args[3])]] * world_size)
+        plan, sizes, repeats = args[:3]
+        return _Ranks([{(op, kind, v): [1e-4 + v * 1e-9] * repeats for op, kind in plan for v in sizes}] * world_size)
+
+    if quick is None:
+        monkeypatch.delenv("COURSE_LIB_QUICK", raising=False)
+    else:
+        monkeypatch.setenv("COURSE_LIB_QUICK", quick)
+    monkeypatch.setattr(course_lib.launch, "run", fake_run)
+    assert step_time.measure(step_time.Config("fsdp", 4, 16, 128), steps=15)[1] == 2.0
+    step_time.calibrate_compute(4, widths=(32, 64), steps=15)
+    step_time.calibrate_comm(4, ops=("all_reduce",), sizes=(16 * 1024, 128 * 1024), repeats=9)
+    assert calls == [("time_steps_on_rank", ("fsdp", step_time.lab_cfg(128), 4, steps, 2, 1)),
+                     *[("time_steps_on_rank", ("plain", step_time.lab_cfg(w), 4, steps)) for w in (32, 64)],
+                     ("comm_sweep_on_rank", ([("all_reduce", "world")], (16 * 1024, 128 * 1024), windows, 1))]

@@ -17,6 +17,8 @@ Without ``--ranks`` it runs the lab's :data:`CONFIGS` (2 and 4 ranks); ``--ranks
 
 Prints predicted vs measured and the worst ratio; the course's goal is every ratio within 0.75-1.25.
 Timings on a shared CPU wobble: take them under the course's CPU lock, read them, never assert them.
+``COURSE_LIB_QUICK=1`` caps the windows and steps (:data:`QUICK_REPEATS`, :data:`QUICK_STEPS`): the test suite's
+run of the lab as shipped, which checks that every cell runs, not what it measures.
 
 Longer than ~300 lines: calibration, prediction and measurement share the rank-side step loop and the
 configurations; apart, each half would import the other.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 from dataclasses import dataclass
 
@@ -37,6 +40,16 @@ __all__ = ["Config", "CONFIGS", "configs_for", "group_payload", "CALIBRATION_WID
 KiB = 1024
 COMM_SIZES = (16 * KiB, 128 * KiB, 1024 * KiB, 4096 * KiB)
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+#: ``COURSE_LIB_QUICK=1``: at most this many timed windows per size and timed steps per run. The same code runs,
+#: with noisier numbers: for a run that checks a lab works, not what it measures (the test suite's as-shipped
+#: runs of the labs, whose outputs nobody compares; their solutions run in full).
+QUICK_REPEATS, QUICK_STEPS = 3, 4
+
+
+def _quick(n: int, at_most: int) -> int:
+    return min(n, at_most) if os.environ.get("COURSE_LIB_QUICK") == "1" else n
 
 
 def lab_cfg(width: int, layers: int = 2, seq_len: int = 64):
@@ -212,6 +225,7 @@ def calibrate_comm(world_size: int, replicate: int = 1, ops=COMM_OPS, sizes=COMM
     the worst max/min over a size's windows."""
     from course_lib.bench import wire
     from course_lib.launch import run
+    repeats = _quick(repeats, QUICK_REPEATS)
     plan = [(op, "world") for op in ops]
     if 1 < replicate < world_size:
         plan += [("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")]
@@ -235,6 +249,7 @@ def calibrate_compute(world_size: int, widths=CALIBRATION_WIDTHS, local_batch: i
     """``(ComputeModel, points)``: plain steps on ``world_size`` ranks at once at each width; ``points`` are
     ``(flops, median seconds, max/min)`` per width."""
     from course_lib.launch import run
+    steps = _quick(steps, QUICK_STEPS)
     points = []
     for w in widths:
         cfg = lab_cfg(w)
@@ -304,6 +319,7 @@ def predict_all(configs, calibrations: dict) -> list:
 def measure(config: Config, steps: int = 8) -> tuple[float, float]:
     """``(median, max/min)`` of the slowest rank's step time over ``steps`` timed steps."""
     from course_lib.launch import run
+    steps = _quick(steps, QUICK_STEPS)
     res = run(time_steps_on_rank, config.strategy, lab_cfg(config.width), config.batch // config.world_size, steps,
               2, config.replicate, world_size=config.world_size, timeout=300)
     t = _slowest(res, steps)
