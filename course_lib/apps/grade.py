@@ -25,7 +25,7 @@ from course_lib.apps.grade_report import Graded, summary_table, write_csv, write
 from course_lib.apps.grade_sandbox import Limits, run_boxed
 from course_lib.checks import grading, registry
 
-__all__ = ["grade", "read_results", "add_parser", "cmd_grade"]
+__all__ = ["grade", "read_results", "cmd_grade"]
 
 
 def _text(cell) -> str:
@@ -104,20 +104,6 @@ def grade(paths: list[Path], labs_dir: Path, limits: Limits = Limits(), jobs: in
         write_csv(rows, Path(out) / "grades.csv")
         write_html(rows, Path(out) / "report.html", title=f"Grades: {', '.join(map(str, paths))}")
     return rows
-
-
-def add_parser(sub, root: Path) -> None:
-    s = sub.add_parser("grade", help="grade learners' labs with the course's checks (grades.csv, report.html)")
-    s.add_argument("submissions", nargs="+", type=Path,
-                   help="notebooks or folders: CLASS/LEARNER/NN_name.ipynb or CLASS/LEARNER_NN_name.ipynb")
-    s.add_argument("--jobs", type=int, default=2, help="notebooks graded at once (default 2)")
-    s.add_argument("--cell-timeout", type=float, default=Limits.cell_s, help="seconds per cell (default %(default)g)")
-    s.add_argument("--timeout", type=float, default=Limits.notebook_s, help="seconds per notebook (default %(default)g)")
-    s.add_argument("--memory-gb", type=float, default=Limits.memory_bytes / 2**30,
-                   help="address-space limit per process, GiB (default %(default)g)")
-    s.add_argument("--out", type=Path, default=Path("."), help="where grades.csv, report.html, notebooks/ go")
-    s.add_argument("--labs", type=Path, default=root / "labs", help="the labs as shipped (default: the course's)")
-    s.set_defaults(func=cmd_grade)
 
 
 def cmd_grade(args) -> int:

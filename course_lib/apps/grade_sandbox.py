@@ -29,8 +29,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 __all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "TAG_VAR", "TIMEOUT_ENAME"]
 
 TAG_VAR = "COURSE_LIB_GRADE_TAG"
@@ -193,6 +191,7 @@ def end_processes(tag: str, root_pid: int | None = None, rounds: int = 20) -> in
 async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
     """Execute ``nb`` (a NotebookNode, outputs filled in place) with cwd ``scratch``; never raises for a
     failing notebook: ``BoxedRun.stopped`` says why it stopped early."""
+    import nbformat       # here, not at the top: `python -m course_lib` reads Limits to build its parser
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 

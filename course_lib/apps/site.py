@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nbformat
 
-__all__ = ["build_site", "add_parser", "cmd_site"]
+__all__ = ["build_site", "cmd_site"]
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("<p class='course-widget'><em>An interactive widget: open the lab in JupyterLab to use it.</em></p>")
@@ -133,15 +133,6 @@ def build_site(solutions: Path, labs: Path, out: Path, pattern: str = "[0-9][0-9
         entries.append((path.stem, pages[i][1], *_summary(nb), lab.exists()))
     (out / "index.html").write_text(_index(entries, course), encoding="utf-8")
     return [out / "index.html", *written]
-
-
-def add_parser(sub, root: Path) -> None:
-    s = sub.add_parser("site", help="build the course as a static website (index, solutions, labs to download)")
-    s.add_argument("--out", type=Path, default=root / "site", help="output folder, emptied first (default site/)")
-    s.add_argument("--pattern", default="[0-9][0-9]_*.ipynb", help="which solutions (default: all)")
-    s.add_argument("--solutions", type=Path, default=root / "solutions")
-    s.add_argument("--labs", type=Path, default=root / "labs")
-    s.set_defaults(func=cmd_site)
 
 
 def cmd_site(args) -> int:
