@@ -134,10 +134,10 @@ def build(cfg, device):
     if cfg.compile:
         for block in model.blocks:
             block.compile()
-    # fused on GPUs; elsewhere foreach (one call for all the DTensor shards, bit-identical to the per-parameter
-    # loop and ~7x faster on CPU, where torch does not pick it by itself)
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=cuda, foreach=not cuda)
+    # fused, on GPUs and CPUs: one kernel call per step for all the DTensor shards (on CPU torch would pick one call
+    # per parameter, each a DTensor dispatch; foreach is as quick once warm, but each new rank process first works
+    # out the sharding of its 7 calls: 0.36 s more in a rank's first step, measured on 4 CPU ranks)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
     data = ResumableBatches(TokenTask(mcfg.vocab_size, mcfg.seq_len, seed=cfg.data_seed), cfg.batch)
     return model, opt, sched, data

@@ -64,9 +64,11 @@ def resumable_run(cfg, *, mesh=None, seed: int = 0, lr: float = 3e-3, warmup: in
         shard_gpt(model, mesh)
     model.to_empty(device=device)
     torch_init_(model, cfg, seed)      # every rank computes the same full tensors and keeps its shard
-    # foreach: one call per update for all the DTensor shards, not one per parameter (each a DTensor dispatch):
-    # the optimizer step ~7x faster on CPU, bit-identical to the per-parameter loop
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    # fused: one kernel call per step for all the DTensor shards (torch's CPU default is one call per parameter,
+    # each a DTensor dispatch). The foreach kernels are as quick once warm, but each new process first works out
+    # the sharding of their 7 calls: measured, a fresh 4-rank run's first step 0.30 s instead of 0.66 s. Resumes
+    # and reshards stay bit-exact (tests/test_checkpoint.py); the weights differ from foreach's in the 5th digit.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _Warmup(warmup))
     return model, opt, sched, ResumableBatches(TokenTask(cfg.vocab_size, cfg.seq_len, seed=data_seed), batch_size)
 
