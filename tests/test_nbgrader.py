@@ -72,7 +72,9 @@ def test_nbgrader_generate_and_autograde_lab02(tmp_path):
     from nbgrader.api import Gradebook
     course = tmp_path / "course"
     (course / "source" / "lab02").mkdir(parents=True)
-    (course / "nbgrader_config.py").write_text('c = get_config()\nc.CourseDirectory.course_id = "fsdp-course"\n')
+    (course / "nbgrader_config.py").write_text(          # as README.md has instructors write it
+        'c = get_config()\nc.CourseDirectory.course_id = "fsdp-course"\n'
+        "from course_lib.authoring.nbgrader import mirror_no_output_widgets\nmirror_no_output_widgets()\n")
     solution = SOLUTIONS / "02_memory.ipynb"
     source = nbgrader_source(read_notebook(solution), "02")
     nbformat.write(source, course / "source" / "lab02" / solution.name)
@@ -100,4 +102,8 @@ def test_nbgrader_generate_and_autograde_lab02(tmp_path):
         scores = {s: (gb.find_submission("lab02", s).score, gb.find_submission("lab02", s).max_score)
                   for s in ("ada", "cy")}
     assert scores == {"ada": (3.0, 3.0), "cy": (1.0, 3.0)}
+    # the config's mirror_no_output_widgets() took effect: the interact cell's picture is an ordinary output
+    graded = nbformat.read(course / "autograded" / "ada" / "lab02" / solution.name, as_version=4)
+    interact = next(c for c in graded.cells if c.cell_type == "code" and "widgets.interact(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in interact.outputs), interact.outputs
     shutil.rmtree(course / "autograded", ignore_errors=True)

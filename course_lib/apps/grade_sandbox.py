@@ -195,6 +195,8 @@ async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
+    from course_lib.authoring.run import without_output_widget_mirror
+
     scratch = Path(scratch)
     tag = uuid.uuid4().hex
     out = BoxedRun(tag=tag)
@@ -206,11 +208,11 @@ async def run_boxed(nb, scratch: Path, limits: Limits) -> BoxedRun:
 
     sockets = scratch / ".sockets"
     sockets.mkdir(exist_ok=True)
-    client = NotebookClient(
+    client = without_output_widget_mirror(NotebookClient(
         nb, kernel_manager_class=_kernel_manager_class(limits, sockets), kernel_name="python3",
         timeout_func=cell_timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
         error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "interrupted at the cell limit", "traceback": []},
-        shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}})
+        shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}}))
     kernel_pid: list[int | None] = [None]
 
     async def execute():

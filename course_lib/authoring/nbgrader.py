@@ -31,7 +31,7 @@ import nbformat
 
 from course_lib.authoring.labs import LAB_GLOB, AuthoringError, notebook_text, read_notebook, rel_path
 
-__all__ = ["SCHEMA_VERSION", "nbgrader_source", "write_nbgrader_sources"]
+__all__ = ["SCHEMA_VERSION", "nbgrader_source", "write_nbgrader_sources", "mirror_no_output_widgets"]
 
 SCHEMA_VERSION = 3
 _CHECK = re.compile(r"^(?P<var>\w+)\s*=\s*(?P<call>lab\d\d(?:_\w+)?\.(?P<check>check_\w+))\(", re.M)
@@ -105,3 +105,27 @@ def write_nbgrader_sources(src: Path, dst: Path) -> list[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return list(plan)
+
+
+def mirror_no_output_widgets() -> None:
+    """For your ``nbgrader_config.py``: every notebook nbgrader runs in this process keeps what an ipywidgets
+    ``Output`` widget captures as the cell's own outputs. Without it, ``autograde`` of a lab with an ``interact``
+    cell (Lab 02) now and then waits out the whole cell timeout on an idle kernel
+    (:func:`course_lib.authoring.run.without_output_widget_mirror` says why). Two lines in the config::
+
+        from course_lib.authoring.nbgrader import mirror_no_output_widgets
+        mirror_no_output_widgets()
+    """
+    from nbclient import NotebookClient
+
+    from course_lib.authoring.run import without_output_widget_mirror
+    init = NotebookClient.__init__
+    if getattr(init, "mirrors_no_output_widgets", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        without_output_widget_mirror(self)
+
+    __init__.mirrors_no_output_widgets = True
+    NotebookClient.__init__ = __init__

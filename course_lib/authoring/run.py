@@ -79,6 +79,20 @@ def _kernel_manager_class(socket_dir: str):
     return CurrentEnvKernelManager
 
 
+def without_output_widget_mirror(client):
+    """``client`` (an nbclient ``NotebookClient``), set to keep what an ipywidgets ``Output`` widget captures as the
+    cell's own outputs, instead of mirroring that widget. Returns ``client``.
+
+    nbclient mirrors each ``Output`` widget (what ``ipywidgets.interact`` draws into) and sends its state back to
+    the kernel on the shell socket, while another of its tasks waits on that socket for the cell's reply; now and
+    then the reply's wake-up is lost and the run waits out its cell timeout although the kernel is idle
+    (jupyter/nbclient#312, jupyter/nbconvert#2029). Here: Lab 02's ``interact`` cell, headless on a busy 2-core
+    machine, stalled in 3 of 16 runs with the mirror and in none of 60 without it. Nobody watches a headless run's
+    widgets; the picture the widget would hold is kept as an ordinary output."""
+    client.widget_registry = {}
+    return client
+
+
 def run_notebook(path: Path, timeout: float = 600, write: bool = False) -> NotebookRun:
     """Execute one notebook headless, cwd = its folder; never raises for a failing notebook.
 
@@ -98,11 +112,11 @@ def run_notebook(path: Path, timeout: float = 600, write: bool = False) -> Noteb
         for cell in nb.cells:          # stale stored outputs must not feed the table
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None
-        client = NotebookClient(
+        client = without_output_widget_mirror(NotebookClient(
             nb, kernel_manager_class=_kernel_manager_class(sockets.name), kernel_name="python3",
             timeout=timeout, allow_errors=False,
             resources={"metadata": {"path": str(path.parent.resolve())}},
-            on_cell_start=lambda cell, cell_index: current.update(index=cell_index))
+            on_cell_start=lambda cell, cell_index: current.update(index=cell_index)))
         client.execute()
         status = "ok"
         if write:
