@@ -261,8 +261,11 @@ def test_make_test_runs_two_workers_and_the_timing_tests_alone(monkeypatch, tmp_
     conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
     assert conftest._LOCK is None                 # one process: no lock to take
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    conftest.pytest_configure(SimpleNamespace(rootpath=tmp_path))
+    config = SimpleNamespace(rootpath=tmp_path)
+    conftest.pytest_configure(config)
     assert isinstance(conftest._LOCK, conftest.SerialLock)
+    for suffix in (".turnstile", ".room"):        # this test's own pair of lock files, not the run's: remove them
+        Path(f"{conftest._lock_base(config)}{suffix}").unlink()
 
 
 def test_files_are_handed_out_longest_first_each_in_its_own_order(monkeypatch):
