@@ -242,8 +242,8 @@ def test_a_wrong_answer_never_breaks_the_lab(lab, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("COURSE_LIB_TWO_NODE", "0")        # Lab 06's two-node cells: tests/test_netns.py runs them
     nb = _wrong_lab(lab)
-    without_output_widget_mirror(NotebookClient(nb, timeout=300, kernel_name="python3", resources={
-        "metadata": {"path": str(ROOT / "labs")}})).execute()   # raises if a cell fails
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "labs")}})
+    without_output_widget_mirror(client).execute()        # raises if a cell fails
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                      if o.get("output_type") == "stream")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]

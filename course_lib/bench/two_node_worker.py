@@ -107,7 +107,7 @@ def _train(kind: str, cfg, steps: int, warmup: int, batch: int, iface: str, loca
     nodes = n // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     lt.recorder().reset()
     mesh, model, (d, dp), cfg = _mesh_and_model(kind, cfg, n, nodes)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)   # one kernel for every shard (CPU default: one per parameter)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)   # one kernel for every shard
     task = TokenTask(cfg.vocab_size, cfg.seq_len, seed=0)
     data = [tuple(torch.from_numpy(a) for a in task.rank_batch(s, batch, d, dp)) for s in range(warmup + steps)]
     losses, times = [], []
