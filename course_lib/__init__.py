@@ -15,7 +15,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
-               rank side), results
+               rank side), results, kernel_exit (a kernel that ran ranks shuts down at once)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)

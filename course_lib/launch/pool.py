@@ -44,6 +44,7 @@ import time
 
 import cloudpickle
 
+from course_lib.launch import kernel_exit
 from course_lib.launch.rank import to_cpu, worker_main
 from course_lib.comm.ledger import Ledger
 from course_lib.launch.results import LaunchTimeout, RankError, RunResult
@@ -90,6 +91,7 @@ def _start_fork_server():
         _FORK_SERVER_ASKED[0] = time.time()
     _context()
     multiprocessing.forkserver.ensure_running()
+    kernel_exit.install(shutdown)   # in a Jupyter kernel: stop the ranks and helpers when it shuts down
 
 
 class _Pool:
