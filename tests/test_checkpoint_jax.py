@@ -3,6 +3,7 @@
 8 simulated CPU devices before JAX starts)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_manager_rejects_bad_keep(tmp_path):
 
 
 KILLED_SAVE = '''
-import os, sys
+import os, sys, time
 import numpy as np
 import jax
 from course_lib.strategies.checkpoint import jax as cj
@@ -144,18 +145,27 @@ state = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(64
 cj.save(mngr, 1, state, {"data_step": 1})
 mngr.wait_until_finished()
 cj.save(mngr, 2, {k: v * 2 for k, v in state.items()}, {"data_step": 2})
+while not os.path.exists(sys.argv[2]):   # the gate: step 2's part is written, the save holds short of its commit
+    time.sleep(0.01)
 os._exit(9)                       # killed while the async save of step 2 is in flight
 '''
 
 
 def test_process_killed_during_async_save_leaves_previous_step(tmp_path):
+    """The save of step 2 is held open by tests/fault_gate (test-only) until the process is killed: without it,
+    ``os._exit`` right after ``save()`` returned raced Orbax's background thread, which on a busy machine had not
+    yet made step 2's temporary folder (seen once in a full run)."""
     import jax
     from jax.sharding import SingleDeviceSharding
-    out = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    gate, ck = tmp_path / "gate", tmp_path / "ck"
+    gate.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fault_gate"), str(ROOT)]),
+           "COURSE_TEST_SAVE_GATE": str(gate), "COURSE_TEST_SAVE_GATE_PROCESS": "0", "COURSE_TEST_SAVE_GATE_STEP": "2"}
+    out = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(ck), str(gate / "saving.process0")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert out.returncode == 9, out.stderr[-2000:]
-    assert cj.incomplete_steps(tmp_path) and cj.incomplete_steps(tmp_path)[0].startswith("2.orbax-checkpoint-tmp")
-    mngr = cj.manager(tmp_path)
+    assert cj.incomplete_steps(ck) and cj.incomplete_steps(ck)[0].startswith("2.orbax-checkpoint-tmp")
+    mngr = cj.manager(ck)
     assert mngr.all_steps() == [1]                                  # the unfinished step 2 is not a step
     one = SingleDeviceSharding(jax.devices()[0])
     target = {"w": jax.ShapeDtypeStruct((64, 64), np.float32, sharding=one),
