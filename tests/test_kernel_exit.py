@@ -19,48 +19,53 @@ PATIENCE_S = 20.0
 pytestmark = pytest.mark.timeout(180)
 
 
-def _started(code: str) -> tuple[KernelManager, list[int]]:
-    km = KernelManager(kernel_name="python3", shutdown_wait_time=PATIENCE_S)
-    km.start_kernel(cwd=str(ROOT))
+RANKS = "import course_lib\nprint(course_lib.run(lambda: 1, world_size=2))"
+CHILDREN = "\nimport psutil\nprint('CHILDREN', [c.pid for c in psutil.Process().children(recursive=True)])"
+
+
+def _children_after(km: KernelManager, code: str) -> list[int]:
+    """Run ``code`` in the kernel; the pids of the kernel's child processes after it."""
     kc = km.client()
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=120)
         out = []
-        reply = kc.execute_interactive(code + "\nimport os, psutil\nprint('CHILDREN', [c.pid for c in "
-                                       "psutil.Process().children(recursive=True)])", timeout=120,
+        reply = kc.execute_interactive(code + CHILDREN, timeout=120,
                                        output_hook=lambda m: out.append(m["content"].get("text", "")))
         assert reply["content"]["status"] == "ok", reply["content"]
     finally:
         kc.stop_channels()
     line = next(l for l in "".join(out).splitlines() if l.startswith("CHILDREN"))
-    return km, [int(p) for p in line.split("[", 1)[1].rstrip("]").split(",") if p.strip()]
+    return [int(p) for p in line.split("[", 1)[1].rstrip("]").split(",") if p.strip()]
 
 
-def _shut_down(km: KernelManager) -> float:
+def _gone(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie has stopped: its parent just has not reaped it yet)."""
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _timed(action) -> float:
     t0 = time.monotonic()
-    km.shutdown_kernel(now=False)
+    action()
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["shutdown", "restart"])
-def test_a_kernel_that_ran_ranks_leaves_at_once_and_takes_them_along(restart):
-    km, children = _started("import course_lib\nprint(course_lib.run(lambda: 1, world_size=2))")
-    # the fork server, the resource tracker (which ignores SIGTERM) and the two warm ranks
-    assert len(children) >= 4, children
-    pid = km.provisioner.pid
-    if restart:
-        t0 = time.monotonic()
-        km.restart_kernel(now=False)
-        took = time.monotonic() - t0
-        km.shutdown_kernel(now=True)
-    else:
-        took = _shut_down(km)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    left = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert left == [], f"processes {left} outlived their kernel"
-    # it left by itself: the manager would have waited PATIENCE_S / 2 = 10 s before terminating it
-    assert took < PATIENCE_S / 4, f"{'restart' if restart else 'shutdown'} took {took:.1f} s"
+def test_a_kernel_that_ran_ranks_restarts_and_shuts_down_at_once_and_takes_them_along():
+    km = KernelManager(kernel_name="python3", shutdown_wait_time=PATIENCE_S)
+    km.start_kernel(cwd=str(ROOT))
+    try:
+        for what in ("restart", "shutdown"):
+            children = _children_after(km, RANKS)
+            assert len(children) >= 4, children      # the fork server, the resource tracker, the two warm ranks
+            pid = km.provisioner.pid
+            took = _timed(lambda: km.restart_kernel(now=False) if what == "restart" else km.shutdown_kernel(now=False))
+            assert _gone([pid]) == [], f"the kernel outlived its {what}"
+            assert _gone(children) == [], f"processes {_gone(children)} outlived their kernel's {what}"
+            # it left by itself: the manager would have waited PATIENCE_S / 2 = 10 s before terminating it
+            assert took < PATIENCE_S / 4, f"{what} took {took:.1f} s"
+    finally:
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
 
 
 def test_outside_a_kernel_nothing_is_installed():
