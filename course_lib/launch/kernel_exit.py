@@ -5,8 +5,8 @@ group and waits for them to go before it exits (``Kernel._at_shutdown``). A kern
 :func:`course_lib.run` has two such children: the fork server the ranks come from, and multiprocessing's resource
 tracker, which ignores SIGTERM. So the kernel never left by itself: its manager (JupyterLab's, nbclient's) waited
 half of its ``shutdown_wait_time``, then terminated it. Measured on the course machine: 2.6 s per shutdown with
-them left, 0.1 s with both stopped first -- once per "Restart kernel", and once per headless run of a lab (the
-test suite's notebooks, ``run-solutions``, the grader).
+them left, 0.1 s with both stopped first -- once per "Restart kernel", and once per headless run of a lab that
+shuts its kernel down politely (``run-solutions``, nbgrader, the wrong-answer runs; nbval and the grader kill theirs).
 
 :func:`install` wraps the kernel's ``do_shutdown`` (the first thing ipykernel calls for a shutdown or restart
 request) so that the warm ranks, then the fork server, then the resource tracker are stopped before ipykernel
