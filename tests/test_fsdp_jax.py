@@ -1,11 +1,14 @@
 """course_lib.strategies.fsdp.jax: sharding rules, the jit (GSPMD) FSDP step and the shard_map FSDP step.
 
-Everything that computes runs in ONE subprocess with 8 simulated CPU devices: the device count must be set
-before JAX starts, and another test in this pytest process may already have started JAX with another
-count. The subprocess returns plain JSON; the tests below only read it.
+Everything that computes runs once, in :data:`SCRIPT`, on the 8 simulated CPU devices every pytest process has
+(``tests/conftest.py`` asks for them before any test module imports JAX; a subprocess cost another interpreter
+importing JAX, Flax and optax for nothing). It returns plain JSON, as the notebook would print it; the tests
+below only read it.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -134,9 +137,11 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def result():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert line, f"subprocess failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(SCRIPT, f"{__file__}:SCRIPT", "exec"), {"__name__": "fsdp_jax_script"})
+    line = [l for l in printed.getvalue().splitlines() if l.startswith("RESULT ")]
+    assert line, printed.getvalue()[-2000:]
     return json.loads(line[-1][len("RESULT "):])
 
 

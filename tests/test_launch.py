@@ -104,7 +104,7 @@ def test_hang_ends_in_timeout_naming_stuck_ranks_and_leaves_nothing():
     procs = _pool_procs(4)
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeout) as err:
-        launch.run(_skip_collective, world_size=4, timeout=3)
+        launch.run(_skip_collective, world_size=4, timeout=1.5)
     assert time.monotonic() - t0 < 10
     assert "ranks 0,2,3 did not finish" in str(err.value) and "finished: 1)" in str(err.value)
     assert "rank 1 never issued it" in str(err.value) and err.value.rank == 1
@@ -138,7 +138,7 @@ def test_interrupt_kills_the_pool_and_next_call_works():
     # Ctrl-C in the main thread (as Jupyter's interrupt delivers it), whichever thread the test worker's
     # signal would otherwise reach: _thread.interrupt_main raises KeyboardInterrupt there
     import _thread
-    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer = threading.Timer(0.5, _thread.interrupt_main)
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         launch.run(_sleep_long, world_size=2, timeout=30)

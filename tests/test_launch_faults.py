@@ -11,8 +11,9 @@ from course_lib import launch
 from course_lib.launch import LaunchTimeout
 from course_lib.launch import pool
 
-# Runs alone under `make test`'s two workers (root conftest.py): a slow rank against a 2 s deadline,
-# an interrupt mid-start.
+# Runs alone under `make test`'s two workers (root conftest.py): a slow rank against a 1 s deadline,
+# an interrupt mid-start. Alone, a warm 2-4 rank round trip takes about a millisecond, so deadlines of 1-1.5 s
+# keep a margin of hundreds of times and cost the run less idle time (the other worker waits meanwhile).
 pytestmark = pytest.mark.serial
 
 
@@ -59,8 +60,8 @@ def _slow_rank0(seconds):
 
 
 def test_each_call_gets_its_own_timeout():
-    launch.run(_value, 0, world_size=2, timeout=2)  # a pool with a 2 s process-group timeout
-    assert list(launch.run(_slow_rank0, 3.0, world_size=2, timeout=30)) == [2.0, 2.0]
+    launch.run(_value, 0, world_size=2, timeout=1)  # a pool with a 1 s process-group timeout
+    assert list(launch.run(_slow_rank0, 1.6, world_size=2, timeout=30)) == [2.0, 2.0]
 
 
 def test_a_slow_rank_is_named_not_the_one_that_noticed():
@@ -68,7 +69,7 @@ def test_a_slow_rank_is_named_not_the_one_that_noticed():
     not rank 1 (which noticed, waiting), and a later call with a longer timeout works on a fresh pool."""
     launch.run(_value, 0, world_size=2, timeout=30)          # a pool with a long process-group timeout
     with pytest.raises(LaunchTimeout) as e:
-        launch.run(_slow_rank0, 8.0, world_size=2, timeout=2)
+        launch.run(_slow_rank0, 8.0, world_size=2, timeout=1)
     msg = str(e.value)
     assert "rank 1 waits in all_reduce #1 (12 B); rank 0 never issued it" in msg, msg
     assert e.value.rank == 0
@@ -87,7 +88,7 @@ def _skip_on_rank1():
 
 def test_hang_names_the_missing_rank_and_where_the_others_wait():
     with pytest.raises(LaunchTimeout) as e:
-        launch.run(_skip_on_rank1, world_size=4, timeout=3)
+        launch.run(_skip_on_rank1, world_size=4, timeout=1.5)
     msg = str(e.value)
     assert "ranks 0,2,3 wait in all_reduce #2 (12 B); rank 1 never issued it" in msg, msg
     assert e.value.rank == 1

@@ -98,7 +98,7 @@ class _Ranks(list):
 
 @pytest.mark.parametrize("quick, windows, steps", [(None, 9, 15), ("1", step_time.QUICK_REPEATS, step_time.QUICK_STEPS)])
 def test_quick_mode_caps_windows_and_steps_and_nothing_else(monkeypatch, quick, windows, steps):
-    """``COURSE_LIB_QUICK=1`` (the suite's as-shipped lab runs) times fewer windows and steps; the same calls else."""
+    """``COURSE_LIB_QUICK=1`` (the suite's notebook runs) times fewer windows and steps; the same calls else."""
     import course_lib.launch
     calls = []
 

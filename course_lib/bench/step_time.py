@@ -18,7 +18,7 @@ Without ``--ranks`` it runs the lab's :data:`CONFIGS` (2 and 4 ranks); ``--ranks
 Prints predicted vs measured and the worst ratio; the course's goal is every ratio within 0.75-1.25.
 Timings on a shared CPU wobble: take them under the course's CPU lock, read them, never assert them.
 ``COURSE_LIB_QUICK=1`` caps the windows and steps (:data:`QUICK_REPEATS`, :data:`QUICK_STEPS`): the test suite's
-run of the lab as shipped, which checks that every cell runs, not what it measures.
+runs of Lab 08 (solution and lab), which check that every cell runs, not what it measures.
 
 Longer than ~300 lines: calibration, prediction and measurement share the rank-side step loop and the
 configurations; apart, each half would import the other.
@@ -43,8 +43,8 @@ COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 #: ``COURSE_LIB_QUICK=1``: at most this many timed windows per size and timed steps per run. The same code runs,
-#: with noisier numbers: for a run that checks a lab works, not what it measures (the test suite's as-shipped
-#: runs of the labs, whose outputs nobody compares; their solutions run in full).
+#: with noisier numbers: for a run that checks a lab works, not what it measures (the test suite's runs of Lab 08,
+#: whose timing cells nbval never compares; ``make solutions`` runs in full).
 QUICK_REPEATS, QUICK_STEPS = 3, 4
 
 
