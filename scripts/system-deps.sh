@@ -30,11 +30,15 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-echo "system-deps: installing ${missing[*]} with apt-get"
+echo "system-deps: installing ${missing[*]} with apt-get (waiting up to ${APT_LOCK_TIMEOUT:-600} s for another apt to finish)"
 # --no-install-recommends: chromium's recommends are a desktop (printing, avahi, notification daemon, perl
 # web libraries: 115 packages against 20, ~30 s of dpkg against 9 s); headless Chromium needs none of them.
 log=$(mktemp)   # apt's progress is hundreds of lines: keep it out of the test log unless it fails
-if ! { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+# Another apt (unattended-upgrades, a second `make test`) may hold the dpkg and list locks: wait for it (apt's own
+# DPkg::Lock::Timeout, in seconds, covers both) instead of failing at once with "Could not get lock".
+lock_wait=(-o "DPkg::Lock::Timeout=${APT_LOCK_TIMEOUT:-600}")
+if ! { $SUDO apt-get update -q "${lock_wait[@]}" \
+        && $SUDO apt-get install -y -q --no-install-recommends "${lock_wait[@]}" "${missing[@]}"; } >"$log" 2>&1; then
     cat "$log" >&2
     exit 1
 fi

@@ -133,6 +133,8 @@ def test_system_deps_script_is_noninteractive_and_idempotent():
     assert "DEBIAN_FRONTEND=noninteractive" in text and "apt-get install -y" in text
     assert "--no-install-recommends" in text     # a desktop's worth of recommends: ~20 s more of dpkg
     assert text.count("apt-get update") == 1 and "[[ -x /usr/bin/chromium ]]" in text
+    # another apt holding the dpkg lock is waited for (apt's own option), on both apt-get calls, not a failure
+    assert text.count('"${lock_wait[@]}"') == 2 and 'lock_wait=(-o "DPkg::Lock::Timeout=' in text
 
 
 def test_sanitize_file_masks_what_varies_and_keeps_what_is_compared():
