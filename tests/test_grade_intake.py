@@ -5,7 +5,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.apps.grade_intake import find_submissions, shipped_labs
+from course_lib.apps.grading.intake import find_submissions, shipped_labs
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"

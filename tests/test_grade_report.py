@@ -4,8 +4,8 @@ from __future__ import annotations
 import csv
 import re
 
-from course_lib.apps.grade_report import Graded, summary_table, write_csv, write_html
-from course_lib.checks.grading import ExerciseResult, Prediction
+from course_lib.apps.grading.report import Graded, summary_table, write_csv, write_html
+from course_lib.apps.grading.verdicts import ExerciseResult, Prediction
 
 
 def _rows() -> list[Graded]:

@@ -8,7 +8,7 @@ import time
 import nbformat
 import pytest
 
-from course_lib.apps.grade_sandbox import Limits, run_boxed, tagged_processes
+from course_lib.apps.grading.sandbox import Limits, run_boxed, tagged_processes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import io
 from contextlib import redirect_stdout
 
-from course_lib.checks import grading, registry
+from course_lib.apps.grading import verdicts as grading
+from course_lib.checks import registry
 from course_lib.checks.predict import prediction
 
 EX = registry.find("02", "storage_bytes")

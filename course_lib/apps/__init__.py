@@ -5,9 +5,8 @@
 * :mod:`~course_lib.apps.train_jax` -- the capstone in JAX under ``jax.distributed``;
 * :mod:`~course_lib.apps.train_config` -- the two scripts' flags, checked before any rank trains;
 * :mod:`~course_lib.apps.torchrun_demo` -- a data-parallel all-reduce under ``torchrun``, its ledger checked;
-* :mod:`~course_lib.apps.grade` -- ``python -m course_lib grade``: a class's labs graded with the course's checks
-  (:mod:`~course_lib.apps.grade_intake`, :mod:`~course_lib.apps.grade_sandbox`,
-  :mod:`~course_lib.apps.grade_limits`, :mod:`~course_lib.apps.grade_report`);
+* :mod:`~course_lib.apps.grading` -- ``python -m course_lib grade``: a class's labs graded with the course's checks,
+  each in a sandbox, verdicts recorded where the checks decide them (intake, sandbox, guard, verdicts, report);
 * :mod:`~course_lib.apps.site` -- ``python -m course_lib site`` (``make site``): the course as a static website.
 
 ``python -m course_lib.train``, ``.train_jax`` and ``.torchrun_demo`` are thin aliases of these, so the

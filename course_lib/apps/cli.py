@@ -6,7 +6,7 @@
     run-solutions   execute every solution (or ``--labs``) headless; print a one-screen table
     doctor          versions, cores, GPUs, the backend 4 ranks would use, JAX's devices
     bench WHAT      run ``course_lib.bench.<WHAT>.main(argv)`` (``step-time`` -> ``bench/step_time.py``)
-    grade PATHS     grade learners' labs with the course's checks (:mod:`course_lib.apps.grade`)
+    grade PATHS     grade learners' labs with the course's checks (:mod:`course_lib.apps.grading`)
     site            the course as a static website (:mod:`course_lib.apps.site`)
 """
 from __future__ import annotations
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
     s.set_defaults(func=cmd_bench)
 
-    from course_lib.apps.grade_sandbox import Limits     # light: the grader's own imports wait for the command
+    from course_lib.apps.grading.sandbox import Limits   # light: the grader's own imports wait for the command
     s = sub.add_parser("grade", help="grade learners' labs with the course's checks (grades.csv, report.html)")
     s.add_argument("submissions", nargs="+", type=Path,
                    help="notebooks or folders: CLASS/LEARNER/NN_name.ipynb or CLASS/LEARNER_NN_name.ipynb")
@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address-space limit per process, GiB (default %(default)g)")
     s.add_argument("--out", type=Path, default=Path("."), help="where grades.csv, report.html, notebooks/ go")
     s.add_argument("--labs", type=Path, default=root / "labs", help="the labs as shipped (default: the course's)")
-    s.set_defaults(func=_imported_when_run("grade"))
+    s.add_argument("--no-sandbox", action="store_true",
+                   help="run the kernels without bubblewrap (where it cannot run): they then see the disk and network")
+    s.set_defaults(func=_imported_when_run("grade", "course_lib.apps.grading.grade"))
 
     s = sub.add_parser("site", help="build the course as a static website (index, solutions, labs to download)")
     s.add_argument("--out", type=Path, default=root / "site", help="output folder, emptied first (default site/)")
@@ -182,13 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _imported_when_run(verb: str):
+def _imported_when_run(verb: str, module_name: str | None = None):
     """``course_lib.apps.<verb>.cmd_<verb>``, imported when the command runs: the notebook tools it needs (nbformat,
     nbclient, nbconvert; ~1 s to import) are not loaded for ``bench`` or ``doctor``, and a machine without them
     (a GPU box's own image, where ``bench gpu-mfu`` runs) gets one line that says what to install."""
     def run(args) -> int:
         try:
-            module = importlib.import_module(f"course_lib.apps.{verb}")
+            module = importlib.import_module(module_name or f"course_lib.apps.{verb}")
         except ModuleNotFoundError as err:
             if (err.name or "").startswith("course_lib"):
                 raise                    # the course's own module is missing: a bug to see, not a package to install

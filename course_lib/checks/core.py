@@ -35,6 +35,10 @@ DEFAULT_TODO = ("fill in the code marked `# YOUR CODE HERE` above, run that cell
 _STUB_PREFIX = "Exercise not done yet:"
 Detector = Callable[[Any, Any], "str | None"]   #: (got, expected) numpy arrays -> likely mistake or None
 _ACTIVE: list["check"] = []          # checks whose block is running (innermost last)
+#: Called as ``observer(check, state, text)`` after each outcome is printed (state: "solved", "wrong" or
+#: "not attempted"; text: the printed line(s)). Empty in a lab; the grader's guard
+#: (:mod:`course_lib.apps.grading.guard`) adds one in a graded kernel, so a verdict is recorded where it is decided.
+OBSERVERS: list[Callable[["check", str, str], None]] = []
 CRASH_PHRASE = "your code raised"    #: how every check's ❌ line for a crash in the learner's code begins
 
 
@@ -228,7 +232,9 @@ class check:
         _ACTIVE.remove(self)
         if exc is None:
             self.passed = True
-            print(f"✅ {self.name}: {self.detail or 'matches the reference'}")
+            line = f"✅ {self.name}: {self.detail or 'matches the reference'}"
+            print(line)
+            self._notify("solved", line)
             return False
         if isinstance(exc, KeyboardInterrupt):
             return False
@@ -241,6 +247,7 @@ class check:
             if self.name in _HINTS:
                 line += f'\n   Stuck? checks.hint("{self.name}") gives a hint; ask again for more.'
             print(line)
+            self._notify("not attempted", line)
             return True                                   # swallowed: the lab keeps running
         rank_type = getattr(exc, "exc_type", None)
         if isinstance(exc, AssertionError):
@@ -266,10 +273,15 @@ class check:
     def _wrong(self, feedback: str) -> bool:
         """A wrong answer: raise under the tests, else print it and let the lab fall back."""
         self.feedback = feedback
+        self._notify("wrong", feedback)
         if strict():
             raise CheckFailed(feedback) from None
         print(feedback + "\n   The rest of the lab uses the reference answer until this check passes.")
         return True
+
+    def _notify(self, state: str, text: str) -> None:
+        for observer in list(OBSERVERS):
+            observer(self, state, text)
 
     def _feedback(self, msg: str) -> str:
         msg = msg.strip() or "assertion failed"

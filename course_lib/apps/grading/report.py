@@ -10,7 +10,8 @@
 
 ``report.html`` holds the learners × exercises grid (hover a cell for its detail), then, per exercise, how
 many solved it and its most common mistakes (what to re-teach), the predictions, the runs (seconds, processes
-ended, why a run stopped) and the refused files. No script, no external file: it opens anywhere.
+ended, why a run stopped), the submissions flagged for review (and the rule each broke) and the refused files.
+No script, no external file, no emoji (words instead): it opens anywhere.
 """
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib.checks.grading import VERDICTS, ExerciseResult, Prediction
+from course_lib.apps.grading.verdicts import VERDICTS, ExerciseResult, Prediction
 
 __all__ = ["Graded", "SYMBOL", "summary_table", "write_csv", "write_html"]
 
-SYMBOL = {"solved": "✅", "wrong": "❌", "not attempted": "⏳", "crashed": "💥", None: "·"}
-_COLOUR = {"solved": "#d9f2d9", "wrong": "#f9d6d5", "not attempted": "#eeeeee", "crashed": "#f5c27a", None: "#ffffff"}
+SYMBOL = {"solved": "✅", "wrong": "❌", "not attempted": "⏳", "crashed": "💥", "flagged": "🚩", None: "·"}
+_COLOUR = {"solved": "#d9f2d9", "wrong": "#f9d6d5", "not attempted": "#eeeeee", "crashed": "#f5c27a",
+           "flagged": "#e3c8f2", None: "#ffffff"}
+#: The report's HTML shows words, not emoji: headless Chromium (and many a mail client) has no emoji font.
+_WORDS = {"✅": "[ok]", "❌": "[wrong]", "⏳": "[not done]", "💥": "[crashed]", "🎯": "[prediction]", "💡": "[hint]",
+          "🚩": "[flagged]", "⚠️": "[warning]", "⚠": "[warning]"}
 
 
 @dataclass
@@ -42,6 +47,7 @@ class Graded:
     stopped: str | None = None         #: why the run stopped early, if it did
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    flags: list[str] = field(default_factory=list)    #: why it is flagged for review ("rule: detail"), if it is
 
 
 def _columns(rows: list[Graded]) -> list[tuple[str, str]]:
@@ -68,7 +74,7 @@ def summary_table(rows: list[Graded]) -> str:
     for g in graded:
         marks = " ".join(SYMBOL[r.verdict] if (r := _cell(g, c)) else "  " for c in cols)
         solved = sum(r.verdict == "solved" for r in g.results)
-        note = g.stopped or "; ".join(g.notes)
+        note = "; ".join(filter(None, [f"FLAGGED ({g.flags[0]})" if g.flags else "", g.stopped or "; ".join(g.notes)]))
         lines.append(f"{g.learner:<{width}}  {g.lab:<3}  {marks}  {solved:>2}/{len(g.results):<3} "
                      f"{g.seconds or 0:>7.1f}  {note}".rstrip())
     if graded:
@@ -92,6 +98,8 @@ def write_csv(rows: list[Graded], path: Path) -> Path:
                 w.writerow([g.learner, g.lab, "exercise", r.name, r.verdict, r.mistake or "", r.detail, *run])
             for p in g.predictions:
                 w.writerow([g.learner, g.lab, "prediction", p.name, p.score, "", p.detail, *run])
+            for f in g.flags:
+                w.writerow([g.learner, g.lab, "flag", f.split(":", 1)[0], "flagged", "", f, *run])
     return Path(path)
 
 
@@ -101,7 +109,10 @@ td.v{text-align:center}.err{color:#a40000}small{color:#666}"""
 
 
 def _e(x) -> str:
-    return html.escape(str(x), quote=True)
+    text = str(x)
+    for emoji, word in _WORDS.items():
+        text = text.replace(emoji, word)
+    return html.escape(text, quote=True)
 
 
 def write_html(rows: list[Graded], path: Path, title: str = "Grades") -> Path:
@@ -119,7 +130,7 @@ def write_html(rows: list[Graded], path: Path, title: str = "Grades") -> Path:
             v = r.verdict if r else None
             tip = f"{v}" + (f" ({r.mistake})" if r and r.mistake else "") + (f": {r.detail}" if r and r.detail else "")
             label = {"solved": "solved", "wrong": f"wrong{': ' + r.mistake if r and r.mistake else ''}",
-                     "not attempted": "—", "crashed": "crashed", None: ""}[v]        # words: no emoji font needed
+                     "not attempted": "—", "crashed": "crashed", "flagged": "flagged", None: ""}[v]   # words, no emoji
             out.append(f"<td class='v' style='background:{_COLOUR[v]}' title='{_e(tip)}'>{_e(label)}</td>")
         out.append(f"<td>{sum(r.verdict == 'solved' for r in g.results)}/{len(g.results)}</td></tr>")
     out.append("</table><h2>Per exercise: what to re-teach</h2><table><tr><th>exercise</th><th>solved</th>"
@@ -142,7 +153,11 @@ def write_html(rows: list[Graded], path: Path, title: str = "Grades") -> Path:
         note = "; ".join(filter(None, [g.stopped, *g.notes]))
         out.append(f"<tr><td>{_e(g.learner)}</td><td>{_e(g.lab)}</td><td>{g.seconds or 0:.1f}</td>"
                    f"<td>{g.processes if g.processes is not None else ''}</td><td>{_e(note)}</td></tr>")
-    out.append("</table><h2>Refused</h2><ul>")
+    out.append("</table><h2>Flagged for review</h2><p>A flagged submission touched the library, the checks or the "
+               "grader; none of its exercises is graded solved until someone reads it.</p><ul>")
+    out += [f"<li><b>{_e(g.learner)}</b> (lab {_e(g.lab)}): " + "; ".join(_e(f) for f in g.flags) + "</li>"
+            for g in graded if g.flags] or ["<li>none</li>"]
+    out.append("</ul><h2>Refused</h2><ul>")
     out += [f"<li class='err'><code>{_e(g.path)}</code>: {_e(g.error)}</li>" for g in rows if g.error is not None] or ["<li>none</li>"]
     out.append("</ul></body></html>")
     Path(path).write_text("\n".join(out), encoding="utf-8")

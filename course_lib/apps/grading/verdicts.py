@@ -2,7 +2,9 @@
 
 Words, as the grade report uses them:
 
-* **solved** -- the check printed ✅;
+* **solved** -- the check decided ✅ inside its own check function (the guard's record, :mod:`.guard`), and
+  nothing flagged the submission;
+* **flagged** -- it would be solved, but the submission is flagged for review (:func:`flags`: a rule it broke);
 * **wrong** -- it printed ❌ with a diagnosis; ``mistake`` is the tag of the declared mistake the ❌ text
   names (:meth:`~course_lib.checks.registry.Exercise.diagnosis`), or None for an undeclared one;
 * **not attempted** -- it printed ⏳ (the stub still raises ``NotImplementedError``);
@@ -12,7 +14,7 @@ Words, as the grade report uses them:
 * a **prediction** is a ``checks.prediction`` line (🎯): ``score`` is ``exact``, ``close``, ``far off`` or
   ``none`` (no number written), ``detail`` the line itself.
 
-Everything here reads text: it never runs the learner's code.
+Everything here reads text and records: it never runs the learner's code.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from dataclasses import dataclass
 from course_lib.checks.core import CRASH_PHRASE
 from course_lib.checks.registry import Exercise, verdict
 
-__all__ = ["VERDICTS", "ExerciseResult", "Prediction", "exercise_result", "predictions", "first_line"]
+__all__ = ["VERDICTS", "ExerciseResult", "Prediction", "exercise_result", "predictions", "first_line", "flags",
+           "STATIC_RULES"]
 
 #: Every verdict, in the order reports list them.
-VERDICTS = ("solved", "wrong", "not attempted", "crashed")
+VERDICTS = ("solved", "wrong", "not attempted", "crashed", "flagged")
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,58 @@ def predictions(text: str) -> list[Prediction]:
             score = "made"
         found[m.group("name")] = Prediction(m.group("name"), score, first_line(line, 300))
     return list(found.values())
+
+
+#: (rule, pattern) looked for in the cells a learner changed or added: what no lab asks a learner to write.
+STATIC_RULES: list[tuple[str, str]] = [
+    ("sys.modules", r"\bsys\.modules\b"),
+    ("library files", r"__file__|\bsite-packages\b|/course_lib/"),
+    ("the grader's modules", r"\bcourse_lib\.apps\b|\bgrading\.guard\b|\bOBSERVERS\b"),
+    ("library internals", r"(?<![\w.])(?:lab\d\d\w*|checks|core|registry|course_lib(?:\.\w+)*)"
+                          r"\.[A-Za-z_]\w*(?:\.\w+)*\s*=(?!=)"),
+    ("library internals", r"\b(?:setattr|delattr)\(\s*(?:lab\d\d|checks|core|registry|course_lib|torch|np|numpy|jax|builtins)\b"),
+    ("library internals", r"\bimportlib\.reload\b|\bbuiltins\.\w+\s*=(?!=)|__builtins__|\.__code__\s*="),
+    ("introspection", r"\bctypes\b|\bgc\.get_(?:objects|referrers|referents)\b|\bsys\.addaudithook\b|/proc/self"),
+]
+
+
+def static_flags(changed_sources: list[str]) -> list[tuple[str, str]]:
+    """(rule, the line) for each line of the learner's own cells that matches :data:`STATIC_RULES`."""
+    found = []
+    for src in changed_sources:
+        for line in src.splitlines():
+            code = line.split("#", 1)[0]
+            for rule, pattern in STATIC_RULES:
+                if re.search(pattern, code):
+                    found.append((rule, f"the notebook's code: {first_line(line, 120)}"))
+                    break
+    return found
+
+
+def flags(records: list[dict], nonce: str, stopped: str | None, printed: dict[str, str],
+          recorded: dict[str, str], changed_sources: list[str]) -> list[tuple[str, str]]:
+    """Why a submission is flagged for review, as (rule, detail) pairs; empty when nothing is wrong.
+
+    ``records``: what the guard wrote; ``nonce``: what its integrity record must echo; ``stopped``: why the run
+    ended early (then no report is expected); ``printed`` / ``recorded``: exercise -> the state its check cell
+    printed / the guard recorded; ``changed_sources``: the learner's edited and added cells."""
+    out = [(r.get("rule", "?"), str(r.get("detail", ""))) for r in records if r.get("kind") == "flag"]
+    out += [("garbled channel", r.get("text", "")) for r in records if r.get("kind") == "garbled"]
+    booted = any(r.get("kind") == "boot" for r in records)
+    report = [r for r in records if r.get("kind") == "integrity" and r.get("nonce") == nonce]
+    if booted and not report and stopped is None:
+        out.append(("guard disabled", "the guard's integrity report never came back: the notebook changed the "
+                                      "kernel, the import system or the guard"))
+    for r in report[-1:]:
+        out += [("library internals", change) for change in r.get("changes", [])]
+    for name, state in printed.items():
+        if state == "solved" and recorded.get(name) != "solved":
+            out.append(("forged output", f"{name}: the notebook printed ✅ but its check recorded "
+                                         f"{recorded.get(name, 'nothing')}"))
+    out += static_flags(changed_sources)
+    seen, unique = set(), []
+    for item in out:
+        if item not in seen:
+            seen.add(item)
+            unique.append(item)
+    return unique

@@ -1,0 +1,413 @@
+"""Run one submission headless, in a box no notebook can get out of: bubblewrap, limits, every process ended.
+
+:func:`run_boxed` executes a notebook (already copied into its scratch folder) with nbclient's async API, so
+several submissions share one event loop (``--jobs``) and none can block the others. The kernel starts as
+``limits.py ... -- bwrap ... -- python -m course_lib.apps.grading.guard ...``:
+
+* **what it sees** (:func:`bwrap_args`) -- Debian's ``bubblewrap``: the system folders, the Python installation,
+  the venv and ``course_lib`` mounted read-only at their own paths, nothing else of the disk; its scratch folder
+  (writable) and a private ``/tmp``. The class folder, other submissions, the grader's output, ``solutions/``,
+  the home folders are not there. A new user namespace (uid nobody), PID namespace (every process it starts dies
+  with it, ``setsid`` or not), network namespace (loopback only: gloo's rendezvous works, nothing else is
+  reachable), IPC and UTS namespaces; the box dies with the grader (``--die-with-parent``);
+* **time** -- each cell gets ``min(cell limit, time left for the notebook)``; a cell over it is interrupted
+  and recorded as an error (:data:`TIMEOUT_ENAME`), and the next cells run; past the notebook limit the
+  run is cancelled outright, whatever the kernel does;
+* **memory and processes** -- :mod:`.limits`: RLIMIT_AS per process, and a pids cgroup (or RLIMIT_NPROC) that
+  bounds a fork bomb also when the grader runs as root;
+* **output** -- at most :attr:`Limits.cell_output_bytes` per cell and :attr:`Limits.notebook_output_bytes` per
+  notebook are kept; the rest is dropped, with one line saying so (:attr:`BoxedRun.truncated_cells`);
+* **verdicts** -- the kernel is :mod:`.guard`, which writes each check's outcome and anything suspicious to a pipe
+  read here (:attr:`BoxedRun.records`); after the last cell the guard is asked for its integrity report;
+* **processes** -- the kernel's environment carries a fresh tag (:data:`TAG_VAR`); at the end every
+  process holding that tag, descending from the kernel or left in its cgroup is killed, and counted.
+
+Without bubblewrap (``--no-sandbox``, or a machine where it cannot run: :func:`bwrap_problem` says why in one line)
+everything else still holds, but the notebook sees the disk as the grader's user does.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course_lib.apps.grading import limits as limits_script
+
+__all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "bwrap_problem", "bwrap_args",
+           "TAG_VAR", "TIMEOUT_ENAME"]
+
+TAG_VAR = "COURSE_LIB_GRADE_TAG"
+TIMEOUT_ENAME = "CellTimeout"
+LIMITS_SCRIPT = Path(limits_script.__file__)
+COURSE_ROOT = Path(__file__).resolve().parents[3]          # the checkout holding course_lib
+BWRAP = os.environ.get("COURSE_LIB_BWRAP", "bwrap")        # a test points it elsewhere to try the refusal
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one submission may use. Defaults suit a 2-core laptop grading one lab."""
+
+    cell_s: float = 300.0          #: seconds per cell (a lab's slowest cell takes well under a minute)
+    notebook_s: float = 900.0      #: seconds for the whole notebook, kernel start included
+    memory_bytes: int = 4 << 30    #: RLIMIT_AS per process (kernel and each rank)
+    nproc: int = 2048              #: processes and threads of the submission (pids cgroup; RLIMIT_NPROC without one)
+    cell_output_bytes: int = 1 << 20        #: output kept per cell (a lab's biggest cell keeps ~200 KB: a figure)
+    notebook_output_bytes: int = 8 << 20    #: output kept per notebook
+    sandbox: bool = True           #: run the kernel under bubblewrap (see the module docstring)
+
+    def __post_init__(self):
+        if not (0 < self.cell_s and 0 < self.notebook_s and self.memory_bytes > 0 and self.nproc > 0
+                and self.cell_output_bytes > 0 and self.notebook_output_bytes > 0):
+            raise ValueError(f"limits must be positive: cell_s={self.cell_s}, notebook_s={self.notebook_s}, "
+                             f"memory_bytes={self.memory_bytes}, nproc={self.nproc}, cell_output_bytes="
+                             f"{self.cell_output_bytes}, notebook_output_bytes={self.notebook_output_bytes}")
+
+
+@dataclass
+class BoxedRun:
+    """What happened to one notebook run (the executed notebook itself is ``nb``, updated in place)."""
+
+    tag: str = ""                  #: the value of :data:`TAG_VAR` its processes carried
+    stopped: str | None = None     #: why the run stopped early: None when every cell ran
+    seconds: float = 0.0
+    processes: int = 0             #: processes of the submission found alive at the end (kernel included)
+    leftovers: int = 0             #: ... still alive after the kernel was shut down, then killed
+    timed_out_cells: list[int] = field(default_factory=list)
+    truncated_cells: list[int] = field(default_factory=list)   #: cells whose output passed a cap
+    records: list[dict] = field(default_factory=list)          #: what the guard wrote (see :mod:`.guard`)
+    nonce: str = ""                #: what the guard's integrity record must echo
+    sandboxed: bool = False
+
+
+# ------------------------------------------------------------------------------------------------ bubblewrap
+def _python_roots() -> list[str]:
+    """What the kernel needs to read: the venv, the Python it was made from, the library."""
+    roots = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix), str(COURSE_ROOT / "course_lib")}
+    return sorted(r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots))
+
+
+def bwrap_args(scratch: Path) -> list[str]:
+    """The ``bwrap`` command line (up to its ``--``) that boxes a kernel working in ``scratch``."""
+    args = [BWRAP]
+    for top in ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    for root in _python_roots():
+        args += ["--ro-bind", root, root]
+    if os.path.isdir("/sys"):
+        args += ["--ro-bind", "/sys", "/sys"]           # CPU counts and topology (torch, JAX, psutil read them)
+    args += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch),
+             "--unshare-all", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534"]
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_problem() -> str | None:
+    """None when bubblewrap can box a kernel here; else one line saying what is missing."""
+    if shutil.which(BWRAP) is None:
+        return (f"bubblewrap ({BWRAP}) is not installed: `make system-deps` (Debian: apt-get install bubblewrap), or "
+                f"grade with --no-sandbox")
+    probe = Path(__import__("tempfile").mkdtemp(prefix="course-grade-probe-"))
+    try:
+        cmd = bwrap_args(probe) + ["--", sys.executable, "-c", "import os; print(os.getuid())"]
+        try:
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bubblewrap could not start here ({exc}); grade with --no-sandbox"
+        if got.returncode != 0 or got.stdout.strip() != "65534":
+            why = (got.stderr.strip().splitlines() or ["no output"])[-1]
+            return (f"bubblewrap cannot make its namespaces here ({why}): user namespaces may be off "
+                    f"(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces); grade with --no-sandbox")
+        return None
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+#: How long one wait on a kernel channel lasts before it looks again (see :func:`_client_class`).
+POLL_SLICE_S = 1.0
+
+
+def _client_class():
+    """An async kernel client whose shell and IOPub waits are cut into :data:`POLL_SLICE_S` slices.
+
+    Why: a single long wait can miss a message that has already arrived (the socket's wake-up is lost when
+    widget comm traffic crosses the channel), and then nbclient sits out the whole cell limit beside an idle
+    kernel -- seen here on Lab 02's ``interact`` cell in 2 of 30 runs, an open nbclient issue
+    (jupyter/nbclient#312). Looking again every second finds the message; the limits are unchanged."""
+    from queue import Empty
+
+    from jupyter_client.asynchronous import AsyncKernelClient
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from traitlets import Type
+
+    class SlicedChannel(AsyncZMQSocketChannel):
+        async def get_msg(self, timeout: float | None = None):
+            end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if end is None else min(POLL_SLICE_S, max(0.0, end - time.monotonic()))
+                try:
+                    return await super().get_msg(timeout=left)
+                except Empty:
+                    if end is not None and time.monotonic() >= end:
+                        raise
+
+    class SlicedClient(AsyncKernelClient):
+        shell_channel_class = Type(SlicedChannel)
+        iopub_channel_class = Type(SlicedChannel)
+    return SlicedClient
+
+
+def _kernel_manager_class(limits: Limits, socket_dir: Path, kernel_cmd: list[str]):
+    import ipykernel.kernelspec
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    client = _client_class()
+
+    class BoxedSpecs(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            spec = ipykernel.kernelspec.get_kernel_dict()
+            spec["argv"] = kernel_cmd + ["-f", "{connection_file}"]
+            spec["interrupt_mode"] = "message"      # a signal to the sandbox would not reach the kernel inside
+            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES, **spec)
+
+    class BoxedKernelManager(AsyncKernelManager):
+        def __init__(self, **kw):
+            kw.setdefault("kernel_spec_manager", BoxedSpecs())
+            kw.setdefault("transport", "ipc")                  # Unix sockets in the scratch folder: they cross
+            kw.setdefault("ip", str(socket_dir / "kernel"))    # the network namespace, which TCP would not
+            kw.setdefault("connection_file", str(socket_dir / "kernel.json"))
+            kw.setdefault("client_factory", client)
+            super().__init__(**kw)
+    return BoxedKernelManager
+
+
+#: Variables of the grader's environment a kernel may see (everything else, the class folder's path in PWD
+#: included, stays outside): the course's own switches, locale and the thread count.
+_PASSED = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "JAX_PLATFORMS")
+
+
+def _environment(scratch: Path, tag: str, sandboxed: bool) -> dict[str, str]:
+    home = scratch / ".home"
+    for sub in ("tmp", "cache", "config", "mpl", "ipython"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k in _PASSED or k.startswith("COURSE_LIB_")}
+    env.update({TAG_VAR: tag, "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
+                "TMPDIR": "/tmp" if sandboxed else str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache"),
+                "XDG_CONFIG_HOME": str(home / "config"), "MPLCONFIGDIR": str(home / "mpl"),
+                "IPYTHONDIR": str(home / "ipython"), "COURSE_LIB_STRICT_CHECKS": "0",   # lab mode: ❌, never raise
+                "PYTHONPATH": str(COURSE_ROOT), "PYTHONDONTWRITEBYTECODE": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    return env
+
+
+def _capped_client(cls, limits: Limits, run: "BoxedRun"):
+    """``cls`` (nbclient's NotebookClient) keeping at most the limits' bytes of output per cell and per notebook."""
+    import nbformat
+
+    class Capped(cls):
+        def output(self, outs, msg, display_id, cell_index):
+            if msg.get("msg_type") in ("stream", "display_data", "execute_result", "error", "update_display_data"):
+                size = len(json.dumps(msg.get("content", {}), ensure_ascii=False))
+                used = self._used.get(cell_index, 0)
+                if used + size > limits.cell_output_bytes or self._total + size > limits.notebook_output_bytes:
+                    if cell_index not in run.truncated_cells:
+                        run.truncated_cells.append(cell_index)
+                        which = ("cell" if used + size > limits.cell_output_bytes else "notebook")
+                        cap = limits.cell_output_bytes if which == "cell" else limits.notebook_output_bytes
+                        outs.append(nbformat.v4.new_output("stream", name="stderr", text=(
+                            f"[the grader kept the first {cap / 2**20:g} MiB of this {which}'s output; "
+                            f"the rest was dropped]\n")))
+                    return None
+                self._used[cell_index], self._total = used + size, self._total + size
+            return super().output(outs, msg, display_id, cell_index)
+    Capped._used, Capped._total = {}, 0
+    return Capped
+
+
+class _Channel:
+    """The guard's pipe, read here into ``run.records`` as the kernel writes it (a FIFO whose path the guard
+    removes once it is open; the grader keeps a writer open so the pipe never reads as ended while it waits)."""
+
+    def __init__(self, path: Path, run: "BoxedRun"):
+        os.mkfifo(path, 0o600)                  # the box's uid nobody is the grader's own user outside it
+        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self._keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        self.run, self._buffer = run, b""
+        asyncio.get_running_loop().add_reader(self.fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return
+        self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = {"kind": "garbled", "text": line[:200].decode(errors="replace")}
+            if isinstance(rec, dict) and len(self.run.records) < 10_000:
+                self.run.records.append(rec)
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.fd)
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            self._take(data)
+        os.close(self._keep)
+        os.close(self.fd)
+
+
+def tagged_processes(tag: str, root_pid: int | None = None) -> list:
+    """psutil.Process for every live process carrying ``tag`` in its environment or under ``root_pid``."""
+    import psutil
+    found: dict[int, psutil.Process] = {}
+    if root_pid is not None:
+        try:
+            root = psutil.Process(root_pid)
+            found.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+        except psutil.Error:
+            pass
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == me:
+            continue
+        try:
+            if p.environ().get(TAG_VAR) == tag:
+                found[p.pid] = p
+        except psutil.Error:               # gone, a zombie, or not ours to read
+            continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def _alive(p) -> bool:
+    import psutil
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def end_processes(tag: str, root_pid: int | None = None, rounds: int = 20) -> int:
+    """Stop, then kill, every process of the submission until none is left; how many were ended."""
+    import psutil
+    ended: set[int] = set()
+    for _ in range(rounds):
+        procs = tagged_processes(tag, root_pid)
+        if not procs:
+            break
+        for p in procs:                      # freeze first: a fork bomb cannot outrun the kills
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except psutil.Error:
+                pass
+        for p in procs:
+            try:
+                p.kill()
+                ended.add(p.pid)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=2)
+    return len(ended)
+
+
+async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRun:
+    """Execute ``nb`` (a NotebookNode, outputs filled in place) with cwd ``scratch``, for lab ``lab``; never raises
+    for a failing notebook: ``BoxedRun.stopped`` says why it stopped early."""
+    import nbformat       # here, not at the top: `python -m course_lib` reads Limits to build its parser
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    from course_lib.authoring.run import without_output_widget_mirror
+
+    scratch = Path(scratch)
+    tag = uuid.uuid4().hex
+    out = BoxedRun(tag=tag, nonce=uuid.uuid4().hex, sandboxed=limits.sandbox)
+    start = time.monotonic()
+    deadline = start + limits.notebook_s
+
+    def cell_timeout(cell) -> int:
+        return max(1, int(min(limits.cell_s, deadline - time.monotonic())))
+
+    sockets = scratch / ".sockets"
+    sockets.mkdir(exist_ok=True)
+    channel = _Channel(sockets / "guard", out)
+    cgroup = f"course-grade-{tag}"
+    cmd = [sys.executable, str(LIMITS_SCRIPT), "--as-bytes", str(limits.memory_bytes), "--pids", str(limits.nproc),
+           "--cgroup", cgroup, "--"]
+    if limits.sandbox:
+        cmd += bwrap_args(scratch) + ["--"]
+    # -c, not -m: the guard must be the module `course_lib.apps.grading.guard` that finish() is later asked of, not __main__
+    cmd += [sys.executable, "-c", "import sys; from course_lib.apps.grading.guard import main; main(sys.argv[1:])",
+            "--lab", lab, "--channel", str(sockets / "guard")]
+    client_cls = _capped_client(NotebookClient, limits, out)
+    client = without_output_widget_mirror(client_cls(
+        nb, kernel_manager_class=_kernel_manager_class(limits, sockets, cmd), kernel_name="python3",
+        timeout_func=cell_timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
+        error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "interrupted at the cell limit", "traceback": []},
+        shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}}))
+    kernel_pid: list[int | None] = [None]
+
+    log = open(sockets / "kernel.log", "wb")          # the kernel's own stdout/stderr (its banner, a crash)
+
+    async def execute():
+        async with client.async_setup_kernel(env=_environment(scratch, tag, limits.sandbox), cwd=str(scratch),
+                                             stdout=log, stderr=log):
+            kernel_pid[0] = getattr(getattr(client.km, "provisioner", None), "pid", None)
+            try:
+                for index, cell in enumerate(client.nb.cells):
+                    if time.monotonic() >= deadline - 1:
+                        raise asyncio.TimeoutError
+                    allowed, t0 = cell_timeout(cell), time.monotonic()
+                    await client.async_execute_cell(cell, index)
+                    if cell.cell_type == "code" and time.monotonic() - t0 >= allowed:   # nbclient interrupted it
+                        out.timed_out_cells.append(index)
+                        cell.outputs.insert(0, nbformat.v4.new_output(
+                            "error", ename=TIMEOUT_ENAME, traceback=[],
+                            evalue=f"ran past the cell limit ({allowed} s) and was interrupted"))
+                        if allowed < limits.cell_s:          # the notebook's limit, not the cell's, cut it short
+                            raise asyncio.TimeoutError
+                report = nbformat.v4.new_code_cell(      # the guard's integrity report, then the cell is dropped
+                    f"__import__('course_lib.apps.grading.guard', fromlist=['finish']).finish({out.nonce!r})")
+                client.nb.cells.append(report)
+                try:
+                    await client.async_execute_cell(report, len(client.nb.cells) - 1)
+                finally:
+                    client.nb.cells.pop()
+            finally:       # counted while the kernel still runs (before the context shuts it down)
+                out.processes = len(tagged_processes(tag, kernel_pid[0]))
+
+    try:
+        await asyncio.wait_for(execute(), timeout=limits.notebook_s + 10)
+    except asyncio.TimeoutError:
+        out.stopped = f"stopped at the notebook's time limit ({limits.notebook_s:g} s)"
+    except DeadKernelError:
+        out.stopped = "the kernel died (out of memory, a crash, or os._exit)"
+    except Exception as exc:  # a kernel that would not start, ...
+        out.stopped = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    out.leftovers = end_processes(tag, kernel_pid[0]) + limits_script.remove_cgroup(cgroup)
+    channel.close()
+    log.close()
+    out.seconds = time.monotonic() - start
+    return out
