@@ -224,7 +224,8 @@ def test_in_a_lab_a_crash_names_the_exception_and_folds_the_traceback(lab_mode, 
     out = capsys.readouterr().out
     assert "❌ index: your code raised IndexError: list index out of range" in out
     assert "checks.last_error()" in out and "Traceback" not in out
-    assert "IndexError" in checks.last_error()
+    assert checks.last_error() is None                   # shown once: printed, nothing returned to show again
+    assert "Traceback" in capsys.readouterr().out and "IndexError" in checks.core.last_error_text()
     assert "likely cause: an index past the end" in out
 
 
@@ -262,8 +263,10 @@ def test_the_todo_line_says_what_the_check_tests_and_offers_hints(capsys):
     assert "⏳ ring: not implemented yet — count what one rank sends" in out
     assert "The check will test: bytes per rank for 4 collectives at 5 sizes" in out
     assert 'checks.hint("ring")' in out
-    assert checks.hint("ring").startswith("💡 ring, hint 1 of 2: each rank sends")
-    assert 'checks.hint("ring", 2)' in capsys.readouterr().out
+    assert checks.hint("ring") is None                   # a cell shows the hint once (printed, not also returned)
+    shown = capsys.readouterr().out
+    assert shown.startswith("💡 ring, hint 1 of 2: each rank sends") and shown.count("💡") == 1
+    assert 'checks.hint("ring", 2)' in shown
     with pytest.raises(ValueError, match="has hints 1..2"):
         checks.hint("ring", 3)
     with pytest.raises(ValueError, match="no hints for 'nope'"):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from course_lib import checks
 from course_lib.checks import lab08
 from course_lib.maths import planner
 
@@ -64,12 +65,15 @@ def test_plan_70b_right(capsys):
     assert lab08.check_plan_70b(lambda: (_ for _ in ()).throw(NotImplementedError("Exercise not done yet: x"))) is False
 
 
-def test_hints_are_layered():
-    for name in ("step_seconds", "compute_bound_batch", "plan_70b"):
-        levels = [lab08.hint(name, k) for k in (1, 2, 3)]
-        assert len(set(levels)) == 3 and all(levels)
-    with pytest.raises(KeyError, match="exercises"):
-        lab08.hint("nope")
+def test_hints_are_layered_and_asked_for_like_every_lab(capsys):
+    from course_lib.checks import core
+    assert not hasattr(lab08, "hint")             # one help API in every lab: checks.hint(name, level)
+    for name in ("step_seconds", "compute_bound_batch", "plan_70b", "full_ac_cost"):
+        levels = [core.hint_text(name, k) for k in (1, 2, 3)]
+        assert len(set(levels)) == 3 and all(lab08.HINTS[name][k] in levels[k] for k in range(3))
+    assert checks.hint("plan_70b", 3) is None and capsys.readouterr().out.count("💡 plan_70b, hint 3 of 3") == 1
+    with pytest.raises(ValueError, match="exercises with hints"):
+        checks.hint("nope")
     assert not math.isnan(lab08.reference_plan_70b()["memory_bytes"])
 
 
@@ -93,5 +97,5 @@ def test_full_ac_cost_right_and_stub(capsys):
 
 def test_full_ac_cost_hints_have_no_code():
     hints = lab08.HINTS["full_ac_cost"]
-    assert len(hints) == 3 and lab08.hint("full_ac_cost", 1).startswith("Price both")
+    assert len(hints) == 3 and hints[0].startswith("Price both")
     assert not any(token in h for h in hints for token in ("plan(", "=", "tokens_per_s_per_gpu", "lambda"))

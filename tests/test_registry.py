@@ -41,7 +41,7 @@ def test_every_exercise_has_exactly_one_cell_and_its_check_is_called(folder):
 
 def test_hints_come_from_the_declaration():
     ex = registry.find("03", "flat_shard")
-    assert checks.hint("flat_shard") .endswith(ex.hints[0] + '\n   (more: checks.hint("flat_shard", 2))')
+    assert checks.core.hint_text("flat_shard").endswith(ex.hints[0] + '\n   (more: checks.hint("flat_shard", 2))')
     assert ex.check.exercise is ex
 
 

@@ -104,14 +104,23 @@ def register_hints(hints: dict[str, Sequence[str]]) -> None:
         _HINTS[name] = list(levels)
 
 
-def hint(name: str, level: int = 1) -> str:
-    """Print (and return) hint ``level`` for exercise ``name``: 1 is the idea, higher levels say more.
+def hint(name: str, level: int = 1) -> None:
+    """Show hint ``level`` for exercise ``name`` (1 is the idea, higher levels say more), once.
+
+    The one way to ask for help, the same in every lab: ``checks.hint("name")``, then ``checks.hint("name", 2)``.
+    It prints and returns None, so a notebook cell shows the text once (a returned string would be shown a
+    second time as the cell's value).
 
     >>> register_hints({"demo": ["think of halves", "reduce-scatter, then all-gather"]})
-    >>> _ = hint("demo")
+    >>> hint("demo")
     💡 demo, hint 1 of 2: think of halves
        (more: checks.hint("demo", 2))
     """
+    print(hint_text(name, level))
+
+
+def hint_text(name: str, level: int = 1) -> str:
+    """The text :func:`hint` shows (for code that words a hint itself, e.g. a grader's report)."""
     if name not in _HINTS:
         known = ", ".join(sorted(_HINTS)) or "none registered yet (import the lab's checks module)"
         raise ValueError(f"no hints for {name!r}; exercises with hints: {known}")
@@ -121,7 +130,6 @@ def hint(name: str, level: int = 1) -> str:
     text = f"💡 {name}, hint {level} of {len(levels)}: {levels[level - 1]}"
     if level < len(levels):
         text += f'\n   (more: checks.hint("{name}", {level + 1}))'
-    print(text)
     return text
 
 
@@ -131,9 +139,14 @@ def keep_error(text: str) -> None:
     _LAST_ERROR[0] = text
 
 
-def last_error() -> str:
-    """The full traceback behind the last ❌ that came from an exception (printed and returned)."""
-    print(_LAST_ERROR[0] or "no error recorded")
+def last_error() -> None:
+    """Show the full traceback behind the last ❌ that came from an exception, once (prints, returns None,
+    like :func:`hint`); :func:`last_error_text` returns it instead."""
+    print(last_error_text() or "no error recorded")
+
+
+def last_error_text() -> str:
+    """The full traceback behind the last ❌ that came from an exception ("" when there was none)."""
     return _LAST_ERROR[0]
 
 

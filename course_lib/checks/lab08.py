@@ -3,7 +3,8 @@ and the price of full activation checkpointing.
 
 Every check is pure arithmetic against :mod:`course_lib.maths.step_model` and :mod:`course_lib.maths.planner`
 on fixed inputs (no timing), so a right answer always passes and each likely mistake gets its own diagnosis.
-``HINTS[name]`` holds three layers of hints per exercise: the idea, the method, then near-code.
+``HINTS[name]`` holds three layers of hints per exercise: the idea, the method, then near-code; a learner asks
+for them as in every lab, ``checks.hint(name, level)`` (the exercise registry registers them).
 
 Longer than ~300 lines: four exercise checks, each with its fixed cases and the diagnoses of its likely mistakes.
 """
@@ -16,7 +17,7 @@ from course_lib.maths import planner, step_model
 from course_lib.maths.costs import AlphaBeta
 from course_lib.checks.registry import exercise
 
-__all__ = ["HINTS", "hint", "REFERENCE_CAL", "reference_step_seconds", "check_step_seconds",
+__all__ = ["HINTS", "REFERENCE_CAL", "reference_step_seconds", "check_step_seconds",
            "reference_compute_bound_batch", "check_compute_bound_batch", "EX3_CLUSTER", "EX3_BUDGET",
            "EX3_SEQ", "reference_plan_70b", "check_plan_70b"]
 
@@ -48,15 +49,6 @@ HINTS = {
         "keep the largest b with p.total <= budget; report memory_bytes=p.total",
     ],
 }
-
-
-def hint(name: str, level: int = 1) -> str:
-    """The hint of ``level`` (1: the idea, 2: the method, 3: near-code) for exercise ``name``."""
-    if name not in HINTS:
-        raise KeyError(f"no hints for {name!r}; exercises: {sorted(HINTS)}")
-    if level not in (1, 2, 3):
-        raise ValueError(f"level={level} must be 1, 2 or 3")
-    return HINTS[name][level - 1]
 
 
 # -- exercise 1: a step time from the model -------------------------------------------------------------
