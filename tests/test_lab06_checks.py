@@ -36,6 +36,19 @@ def test_axis_bytes_right_and_stub(capsys):
     assert "not implemented yet" in capsys.readouterr().out
 
 
+def test_axis_bytes_two_mistakes_at_once_are_each_named(capsys, monkeypatch):
+    """Both axes wrong, each its own way: the ❌ names the shard axis's mistake and the replicate axis's."""
+    def two_wrong(psi, R, F, b=4):
+        return {"shard": 2 * (F - 1) / F * psi * b,              # the backward re-gather forgotten
+                "replicate": 2 * (R - 1) / R * psi * b}          # the whole Ψ all-reduced, not one shard
+    monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")        # lab mode: ❌ printed, False returned
+    assert lab06.check_axis_bytes(two_wrong) is False
+    out = capsys.readouterr().out
+    assert "two mistakes, one per axis" in out
+    assert "- shard axis: with every unit resharded after forward, the backward all-gathers again" in out
+    assert "- replicate axis: the all-reduce carries only the reduced shard" in out
+
+
 # -- exercise 3: choose F -----------------------------------------------------------------------------------
 def test_choose_f_right_and_stub(capsys):
     assert lab06.check_choose_f(lab06.reference_choose_f)

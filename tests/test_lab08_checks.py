@@ -27,6 +27,28 @@ def test_step_seconds_right_and_stub(capsys):
     assert "⏳ step_seconds: not implemented yet — add compute" in capsys.readouterr().out
 
 
+def test_step_seconds_two_wrong_terms_are_each_named(capsys, monkeypatch):
+    """α left out *and* γ left out: neither one-mistake formula fits; the ❌ names both terms."""
+    def two_wrong(strategy, cost, flops, compute, comm, gamma):
+        return compute.seconds(flops) + sum(comm.alpha_beta(o.op, o.group_size).beta_s_per_byte * o.wire_bytes
+                                            for o in cost.ops)
+    def three_wrong(strategy, cost, flops, compute, comm, gamma):   # payload bytes, no compute, γ on every call
+        return gamma * sum(o.count for o in cost.ops) + sum(
+            o.count * comm.alpha_beta(o.op, o.group_size).alpha_s
+            + comm.alpha_beta(o.op, o.group_size).beta_s_per_byte * o.payload_bytes for o in cost.ops)
+    monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")        # lab mode: ❌ printed, False returned
+    assert lab08.check_step_seconds(two_wrong) is False
+    out = capsys.readouterr().out
+    assert "more than one term is wrong" in out and "compare term by term" not in out
+    assert "- framework: left out the framework term γ · calls" in out and "- communication: left out α" in out
+    assert "compute:" not in out.split("more than one term")[1]
+    assert lab08.check_step_seconds(three_wrong) is False
+    out = capsys.readouterr().out
+    for named in ("- compute: left out compute", "- framework: charged γ on all-reduces too",
+                  "- communication: used payload bytes"):
+        assert named in out, out
+
+
 # -- exercise 2: compute_bound_batch -----------------------------------------------------------------------
 def right_batch(model, cluster, strategy, seq_len, checkpointing):
     for b in range(1, lab08.LIMIT + 1):

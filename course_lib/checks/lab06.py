@@ -200,6 +200,21 @@ def _axis_candidates() -> list:
     ]
 
 
+def _axis_each(cases, gots, close) -> str | None:
+    """Both axes wrong, each by its own classic mistake: name each one (axis by axis, the candidate formula that
+    gives the learner's numbers for that axis on every case). None unless both axes are explained."""
+    whys = {}
+    for axis in ("shard", "replicate"):
+        if all(close(g[axis], reference_axis_bytes(*case)[axis]) for case, g in zip(cases, gots)):
+            return None                               # this axis is right: the one-mistake diagnoses cover it
+        whys[axis] = next((why for formula, why in _axis_candidates()
+                           if all(close(g[axis], formula(*case)[axis]) for case, g in zip(cases, gots))), None)
+    if None in whys.values() or whys["shard"] == whys["replicate"]:
+        return None
+    return (f"two mistakes, one per axis:\n   - shard axis: {whys['shard']}\n"
+            f"   - replicate axis: {whys['replicate']}")
+
+
 def _axis_mistake(cases, gots) -> str | None:
     """The mistake whose formula gives the learner's numbers on *every* case (both axes), else what the cases
     that went wrong have in common (only F = 1, or only R = 1: a boundary), else None."""
@@ -208,6 +223,9 @@ def _axis_mistake(cases, gots) -> str | None:
     for formula, why in _axis_candidates():
         if all(same(g, formula(*case)) for case, g in zip(cases, gots)):
             return why
+    both = _axis_each(cases, gots, close)
+    if both:
+        return both
     wrong = [case for case, g in zip(cases, gots) if not same(g, reference_axis_bytes(*case))]
     if wrong and all(F == 1 for _, _, F, _ in wrong):
         return ("right except at F = 1: a shard group of one rank moves nothing on the shard axis, but the R = N "
@@ -224,7 +242,7 @@ def _axis_mistake(cases, gots) -> str | None:
                     'R and F swapped': 'R and F swapped', 'b ignored': 'b ignored', 'bytes not elements': 'bytes, not elements',
                     'shard of Ψ/R': 'not Ψpad/R', 'shard axis over N': 'F ranks of a shard group',
                     'F = 1 is DDP': 'F = 1 is DDP', 'R = 1 all-reduces': 'no replica to all-reduce with',
-                    'not a dict': 'return a dict'})
+                    'not a dict': 'return a dict', 'both axes wrong': 'two mistakes, one per axis'})
 def check_axis_bytes(fn, name: str = "axis_bytes") -> bool:
     """``fn(psi_pad, replicate, shard, b=4) -> {"shard": bytes, "replicate": bytes}`` per rank per step."""
     with checks.check(name, tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
