@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address-space limit per process, GiB (default %(default)g)")
     s.add_argument("--out", type=Path, default=Path("."), help="where grades.csv, report.html, notebooks/ go")
     s.add_argument("--labs", type=Path, default=root / "labs", help="the labs as shipped (default: the course's)")
+    s.add_argument("--processes", type=int, default=Limits.nproc,
+                   help="processes and threads one submission may have at once (default %(default)d)")
     s.add_argument("--no-sandbox", action="store_true",
                    help="run the kernels without bubblewrap (where it cannot run): they then see the disk and network")
     s.set_defaults(func=_imported_when_run("grade", "course_lib.apps.grading.grade"))

@@ -150,7 +150,7 @@ def grade(paths: list[Path], labs_dir: Path, limits: Limits = Limits(), jobs: in
 
 def cmd_grade(args) -> int:
     limits = Limits(cell_s=args.cell_timeout, notebook_s=args.timeout, memory_bytes=int(args.memory_gb * 2**30),
-                    sandbox=not args.no_sandbox)
+                    nproc=args.processes, sandbox=not args.no_sandbox)
     problem = bwrap_problem() if limits.sandbox else None
     if problem:
         print(f"course_lib grade: refused: {problem}", file=sys.stderr)

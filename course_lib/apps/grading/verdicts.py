@@ -133,10 +133,8 @@ def static_flags(changed_sources: list[str]) -> list[tuple[str, str]]:
     for src in changed_sources:
         for line in src.splitlines():
             code = line.split("#", 1)[0]
-            for rule, pattern in STATIC_RULES:
-                if re.search(pattern, code):
-                    found.append((rule, f"the notebook's code: {first_line(line, 120)}"))
-                    break
+            for rule in dict.fromkeys(rule for rule, pattern in STATIC_RULES if re.search(pattern, code)):
+                found.append((rule, f"the notebook's code: {first_line(line, 120)}"))
     return found
 
 
