@@ -45,10 +45,15 @@ install: $(STAMP)
 # JupyterLab on labs/, reachable from this machine only; token authentication stays on.
 # Containers often run as root, which Jupyter refuses without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# nbgrader (the [test] extra: instructors and the suite) stays out of the learner's JupyterLab: its server
+# extensions are switched off here, and its lab extension (menu, Create Assignment sidebar, Validate button) by
+# lab_settings/page_config.json. tests/test_browser.py starts JupyterLab with these same options (`make -n lab`).
+NO_NBGRADER := $(foreach e,formgrader validate_assignment assignment_list course_list,\
+	--ServerApp.jpserver_extensions=nbgrader.server_extensions.$(e)=False)
 lab: $(STAMP)
 	$(PY) -m jupyter lab --ServerApp.root_dir=labs --ServerApp.ip=127.0.0.1 $(ALLOW_ROOT) \
 		--LabApp.app_settings_dir=course_lib/widgets/lab_settings --LabApp.news_url= \
-		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(NO_NBGRADER)
 
 system-deps:
 	bash scripts/system-deps.sh

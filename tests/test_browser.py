@@ -4,7 +4,8 @@ Starts JupyterLab on a free localhost port (token auth, a temporary root dir hol
 ``tests/fixtures/widgets_browser.ipynb``), opens the notebook, runs every cell, asserts that both
 widgets rendered their SVG, changes controls in each and asserts the view changed (the ownership widget's
 "slices of" list and table follow a what-if change of strategy and world size; the traffic timeline names
-every box and has time ticks). Screenshots go to
+every box and has time ticks). JupyterLab runs with ``make lab``'s own options (read from ``make -n lab``), and
+the learner's page shows none of nbgrader's UI (menu, Create Assignment sidebar, Validate button). Screenshots go to
 ``test-artifacts/browser/`` (gitignored). Skipped where ``/usr/bin/chromium`` or Playwright is missing
 (``make system-deps`` installs chromium; never ``playwright install``, which downloads a browser).
 """
@@ -14,12 +15,14 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +44,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def make_lab_options() -> list[str]:
+    """The ``--LabApp.*`` and ``--ServerApp.jpserver_extensions`` options of ``make lab`` (what a learner's JupyterLab
+    runs with), from ``make -n lab``; relative paths made absolute (the test's server runs elsewhere)."""
+    out = subprocess.run(["make", "-s", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    line = next(l for l in out.replace("\\\n", " ").splitlines() if "-m jupyter lab" in l)
+    opts = [a for a in shlex.split(line) if a.startswith(("--LabApp.", "--ServerApp.jpserver_extensions"))]
+    return [re.sub(r"^(--LabApp.app_settings_dir=)(?!/)(.*)$", lambda m: m[1] + str(ROOT / m[2]), a) for a in opts]
 
 
 def _get(url: str, timeout: float = 5.0, method: str = "GET", body: dict | None = None):
@@ -69,8 +81,7 @@ def jupyter_server(tmp_path):
     log = open(tmp_path / "server.log", "w")
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-           "--ServerApp.terminals_enabled=False", "--LabApp.extension_manager=readonly",
-           "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+           "--ServerApp.terminals_enabled=False", "--LabApp.extension_manager=readonly", *make_lab_options()]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # CI containers run as root
         cmd.append("--allow-root")
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -143,6 +154,18 @@ def test_widgets_render_and_react_in_jupyterlab(jupyter_server):
             page.goto(f"{base}/lab/tree/{FIXTURE.name}?token={token}", wait_until="domcontentloaded")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=SERVER_START_S * 1000)
             _wait_for_idle_kernel(page)
+            # `make lab` is the learner's JupyterLab: none of the instructor's nbgrader UI, no nbgrader server
+            # extension answering or logging ("No nbgrader_config.py"), and nbgrader's lab extension disabled
+            menus = page.locator(".lm-MenuBar-itemLabel").all_inner_texts()
+            assert "Run" in menus and not any("grader" in m.lower() for m in menus), menus
+            shown = page.locator("body").inner_text()
+            for ui in ("Create Assignment", "Validate", "Formgrader", "Assignment List", "Course List", "nbgrader"):
+                assert ui.lower() not in shown.lower(), f"{ui!r} shown to the learner"
+            config = json.loads(page.locator("#jupyter-config-data").text_content())
+            assert "@jupyter/nbgrader" in config["disabledExtensions"], config["disabledExtensions"]
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                _get(f"{base}/formgrader?token={token}")
+            assert "nbgrader" not in (tmp_path / "server.log").read_text().lower()
             page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).first.click()
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).first.click()
 

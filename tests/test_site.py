@@ -112,3 +112,24 @@ def test_every_page_loads_links_work_and_the_console_is_clean(site, server):
         finally:
             browser.close()
     assert problems == []
+
+
+def test_titles_read_as_text_and_links_are_cut_at_a_word():
+    """Lab 04's title has `fully_shard` in backticks: the syllabus shows it as code, page titles and prev/next links
+    as plain text, and a long title is cut at a word boundary with an ellipsis, never mid-word."""
+    import nbformat
+
+    from course_lib.apps import site as s
+    nb = nbformat.read(ROOT / "solutions" / "04_fsdp2.ipynb", as_version=4)
+    assert "`" not in s._title(nb) and "fully_shard" in s._title(nb)
+    assert "<code>fully_shard</code>" in s._title_html(nb) and "`" not in s._title_html(nb)
+    titles = [s._title(nbformat.read(p, as_version=4)) for p in sorted((ROOT / "solutions").glob("0*.ipynb"))]
+    pages = [(f"{i:02d}_x", t) for i, t in enumerate(titles)]
+    for i, (_, title) in enumerate(pages):
+        short = s._short(title)
+        assert len(short) <= 40 and "`" not in short
+        if short != title:
+            kept = short.removesuffix("…")
+            assert title.startswith(kept) and title[len(kept)] in " ,;:—–-(", (title, short)
+        nav = s._nav(pages, i)
+        assert "`" not in nav

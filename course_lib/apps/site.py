@@ -46,8 +46,25 @@ _INDEX_CSS = """body{font:16px/1.5 system-ui,sans-serif;max-width:60em;margin:2e
 
 
 def _title(nb) -> str:
+    """The lab's title as plain text: the first line of its first cell, without the heading's # and markdown's
+    backticks (`fully_shard` reads fully_shard in a page title and a link)."""
     first = nb.cells[0].source.strip().splitlines() if nb.cells else [""]
-    return first[0].lstrip("# ").strip() if first else ""
+    return first[0].lstrip("# ").strip().replace("`", "") if first else ""
+
+
+def _title_html(nb) -> str:
+    """The lab's title as HTML: escaped, its `code` spans as <code> (the syllabus's headings)."""
+    first = nb.cells[0].source.strip().splitlines() if nb.cells else [""]
+    text = html.escape(first[0].lstrip("# ").strip() if first else "")
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+
+def _short(title: str, limit: int = 40) -> str:
+    """``title`` cut to at most ``limit`` characters at a word boundary, with an ellipsis (never mid-word)."""
+    if len(title) <= limit:
+        return title
+    cut = title[:limit - 1].rsplit(" ", 1)[0].rstrip(" ,;:—–-(")
+    return cut + "…"
 
 
 def _summary(nb) -> tuple[str, str]:
@@ -79,9 +96,11 @@ def _nav(pages: list[tuple[str, str]], i: int) -> str:
     stem, title = pages[i]
     links = ["<a href='../index.html'>Course home</a>"]
     if i > 0:
-        links.append(f"<a href='{pages[i - 1][0]}.html' rel='prev'>← {html.escape(pages[i - 1][1][:40])}</a>")
+        links.append(f"<a href='{pages[i - 1][0]}.html' rel='prev' title='{html.escape(pages[i - 1][1], quote=True)}'>"
+                     f"← {html.escape(_short(pages[i - 1][1]))}</a>")
     if i + 1 < len(pages):
-        links.append(f"<a href='{pages[i + 1][0]}.html' rel='next'>{html.escape(pages[i + 1][1][:40])} →</a>")
+        links.append(f"<a href='{pages[i + 1][0]}.html' rel='next' title='{html.escape(pages[i + 1][1], quote=True)}'>"
+                     f"{html.escape(_short(pages[i + 1][1]))} →</a>")
     links.append(f"<a href='../labs/{stem}.ipynb' download>Download the lab (.ipynb)</a>")
     return "<nav class='course-nav'>" + "".join(links) + "</nav>"
 
@@ -94,11 +113,11 @@ def _index(entries: list[tuple[str, str, str, str, bool]], course: str) -> str:
            "<p>A hands-on course on sharded training: data parallel from scratch, FSDP in PyTorch and JAX, hybrid "
            "sharding and distributed checkpointing. Each lab below has its solution to read, with the outputs it "
            "printed, and the lab itself to download and run in JupyterLab.</p><h2>Syllabus</h2>"]
-    for stem, title, aim, time_line, has_lab in entries:
+    for stem, title, aim, time_line, has_lab in entries:       # title: HTML (_title_html)
         links = [f"<a href='solutions/{stem}.html'>Read the solution</a>"]
         if has_lab:
             links.append(f"<a href='labs/{stem}.ipynb' download>Download the lab (.ipynb)</a>")
-        out.append(f"<section class='lab' id='lab{stem[:2]}'><h2>{html.escape(title)}</h2>{markdown2html(aim)}"
+        out.append(f"<section class='lab' id='lab{stem[:2]}'><h2>{title}</h2>{markdown2html(aim)}"
                    f"{markdown2html(time_line)}<p class='links'>{''.join(links)}</p></section>")
     out.append("</body></html>")
     return "\n".join(out)
@@ -130,7 +149,7 @@ def build_site(solutions: Path, labs: Path, out: Path, pattern: str = "[0-9][0-9
         if lab.exists():
             shutil.copy(lab, out / "labs" / path.name)
         written.append(page)
-        entries.append((path.stem, pages[i][1], *_summary(nb), lab.exists()))
+        entries.append((path.stem, _title_html(nb), *_summary(nb), lab.exists()))
     (out / "index.html").write_text(_index(entries, course), encoding="utf-8")
     return [out / "index.html", *written]
 

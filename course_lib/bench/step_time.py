@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from course_lib.maths import step_model
 from course_lib.maths.costs import AlphaBeta
 
-__all__ = ["Config", "CONFIGS", "configs_for", "group_payload", "CALIBRATION_WIDTHS", "Calibration", "calibrate", "calibrate_comm",
+__all__ = ["Config", "CONFIGS", "configs_for", "group_payload", "CALIBRATION_WIDTHS", "CALIBRATE_STAGES", "Calibration", "calibrate", "calibrate_comm",
            "calibrate_compute", "measure", "predict_all", "run_all", "format_table", "lab_cfg", "main"]
 
 KiB = 1024
@@ -276,7 +276,12 @@ def _dp_all_reduces(pred) -> int:
     return sum(o.count for o in pred.cost.ops if o.op == "all_reduce")
 
 
-def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int = 10, ddp: bool = False) -> Calibration:
+#: How many stages :func:`calibrate` reports to its ``progress`` bar (collectives, compute, two γ probes; + δ with ddp).
+CALIBRATE_STAGES = 4
+
+
+def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int = 10, ddp: bool = False,
+              progress=None) -> Calibration:
     """Collectives, then compute, then two FSDP runs at width 96 for γ (no tested configuration uses it); with
     ``ddp``, one DP run at width 96 for δ, DDP's own work per bucket.
 
@@ -284,20 +289,32 @@ def calibrate(world_size: int, replicate: int = 1, repeats: int = 9, steps: int 
     per all-reduce call -- the reducer's hooks, its copies of gradients into and out of the bucket, and the
     bucket's all-reduce competing with backward for the cores (DDP starts it while backward still runs; with
     fewer cores than ranks the two share them). It is not a term of the course's step model (Lab 08 teaches
-    γ alone): the bench adds it to DP's prediction, and prints it."""
-    comm, spread = calibrate_comm(world_size, replicate, repeats=repeats)
-    compute, points = calibrate_compute(world_size, steps=steps)
+    γ alone): the bench adds it to DP's prediction, and prints it.
+
+    ``progress``: a tqdm bar (:func:`course_lib.bench.progress.bar`) told each stage as it starts and advanced by one
+    as it ends (:data:`CALIBRATE_STAGES` stages, one more with ``ddp``)."""
+    def stage(what: str, fn):
+        if progress is not None:
+            progress.set_postfix_str(f"N={world_size}: {what}")
+        out = fn()
+        if progress is not None:
+            progress.update(1)
+        return out
+    comm, spread = stage("collectives (α, β)", lambda: calibrate_comm(world_size, replicate, repeats=repeats))
+    compute, points = stage("compute rate", lambda: calibrate_compute(world_size, steps=steps))
     gammas = []
     for local in (2, 8):                # two probes, averaged: γ is a residual and carries their noise
         probe = Config("fsdp", world_size, local * world_size, 96)
         pred = step_model.predict("fsdp", lab_cfg(96), world_size, probe.batch, compute, comm, root_unit=0)
-        gammas.append(step_model.fit_framework_overhead(measure(probe, steps)[0], pred))
+        gammas.append(step_model.fit_framework_overhead(stage(f"γ probe, batch {local}/rank",
+                                                              lambda: measure(probe, steps))[0], pred))
     gamma = sum(gammas) / len(gammas)
     delta = 0.0
     if ddp:
         probe = Config("dp", world_size, 4 * world_size, 96)
         pred = step_model.predict("dp", lab_cfg(96), world_size, probe.batch, compute, comm)
-        delta = max(0.0, (measure(probe, steps)[0] - pred.step_s) / _dp_all_reduces(pred))
+        delta = max(0.0, (stage("δ probe (DDP)", lambda: measure(probe, steps))[0] - pred.step_s)
+                    / _dp_all_reduces(pred))
     return Calibration(world_size, comm, spread, compute, points, gamma, delta)
 
 

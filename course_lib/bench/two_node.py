@@ -31,6 +31,7 @@ overlap: an upper bound where gloo overlaps, a floor where an implementation sen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -47,7 +48,11 @@ REPO = Path(__file__).resolve().parents[2]
 NPROC = 2   # workers per node: 2 nodes x 2 ranks
 
 
-def _wait(procs, timeout_s: float, what: str):
+def _wait(procs, timeout_s: float, what: str, expect_s: float | None = None):
+    if expect_s:                        # a job of many seconds: show the clock while it runs (course_lib.bench.progress)
+        from course_lib.bench.progress import clock
+        with contextlib.suppress(TimeoutError):         # the deadline below words the error
+            clock(lambda: all(p.poll() is not None for p in procs), what, expect_s, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
     codes = []
     for p in procs:
@@ -62,11 +67,12 @@ def _wait(procs, timeout_s: float, what: str):
 
 
 def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, batch: int = 8,
-              port: int = 29400, timeout_s: float = 150, quiet: bool = True, kinds=("fsdp", "hsdp")) -> dict:
+              port: int = 29400, timeout_s: float = 150, quiet: bool = True, kinds=("fsdp", "hsdp"),
+              expect_s: float | None = None) -> dict:
     """Two torchrun agents in two namespaces, 2 workers each; returns the workers' measurements plus the
     link's counters (``"link"``) and what was left of our namespaces afterwards (``"left_over"``: ``[]``).
     ``kinds``: which runs (``fsdp``, ``hsdp``, ``tp_in``: FSDP × TP with TP inside a node, ``tp_across``:
-    the same with TP across the link)."""
+    the same with TP across the link). ``expect_s``: show a progress clock against this usual duration."""
     with tempfile.TemporaryDirectory(prefix="two_node_") as tmp, netns.TwoNodes(rate_mbit=rate_mbit) as net:
         out = os.path.join(tmp, "result.json")
         a = net.nodes[0]
@@ -84,7 +90,7 @@ def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1,
             procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=_output(quiet),
                                    stderr=_output(quiet)))
         t0 = time.perf_counter()
-        _wait(procs, timeout_s, "the two-node torchrun job")
+        _wait(procs, timeout_s, "the two-node torchrun job", expect_s)
         result = json.loads(Path(out).read_text())
         result.update(seconds=time.perf_counter() - t0, link=net.link_bytes(), rate_mbit=rate_mbit,
                       nodes_desc=[(n.netns, n.iface, n.addr) for n in net.nodes], subnet=str(net.subnet))
@@ -93,8 +99,9 @@ def run_torch(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1,
 
 
 def run_jax(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, batch: int = 32,
-            port: int = 29500, timeout_s: float = 150, quiet: bool = True) -> dict:
-    """Two JAX processes (``jax.distributed.initialize``), one per namespace, 2 CPU devices each."""
+            port: int = 29500, timeout_s: float = 150, quiet: bool = True, expect_s: float | None = None) -> dict:
+    """Two JAX processes (``jax.distributed.initialize``), one per namespace, 2 CPU devices each; ``expect_s``:
+    show a progress clock against this usual duration."""
     with tempfile.TemporaryDirectory(prefix="two_node_jax_") as tmp, netns.TwoNodes(rate_mbit=rate_mbit) as net:
         out = os.path.join(tmp, "result.json")
         a = net.nodes[0]
@@ -107,7 +114,7 @@ def run_jax(rate_mbit: float | None = 100, *, steps: int = 3, warmup: int = 1, b
             procs.append(net.popen(node, argv, env=env, cwd=str(REPO), stdout=_output(quiet),
                                    stderr=_output(quiet)))
         t0 = time.perf_counter()
-        _wait(procs, timeout_s, "the two-node JAX job")
+        _wait(procs, timeout_s, "the two-node JAX job", expect_s)
         result = json.loads(Path(out).read_text())
         result.update(seconds=time.perf_counter() - t0, link=net.link_bytes(), rate_mbit=rate_mbit)
     result["left_over"] = netns.ours()

@@ -10,6 +10,10 @@ and after the measurement::
 
 It never fails: a prediction is for learning, not grading. It prints one line, with what was measured
 and how far off the guess was (a ratio for sizes, so 2x too high reads the same as 2x too low).
+
+A prediction is the learner's or absent: every lab ships its prediction variables as ``None``, and a value the lab
+computed from a reference answer (an exercise not done yet) is passed as ``None`` too, with ``missing=`` saying why
+(``tests/test_labs_wrong_answers.py`` and the root ``conftest.py`` fail a lab, run as received, that scores one).
 Print only deterministic measurements (bytes, counts, shapes) in cells nbval compares.
 """
 from __future__ import annotations
@@ -24,8 +28,10 @@ def _fmt(x: float, unit: str) -> str:
     return f"{text} {unit}".rstrip()
 
 
-def prediction(name: str, predicted, measured: float, *, unit: str = "", close: float = 0.10) -> bool | None:
-    """Print prediction vs measurement; True when within ``close`` (relative), None when no prediction.
+def prediction(name: str, predicted, measured: float, *, unit: str = "", close: float = 0.10,
+               missing: str = "no prediction written (set it in the cell above before running)") -> bool | None:
+    """Print prediction vs measurement; True when within ``close`` (relative), None when no prediction
+    (``missing`` says why there is none).
 
     >>> prediction("bytes", 750, 768, unit="B")
     🎯 bytes: you predicted 750 B, measured 768 B: 2.3% low — close (within 10%).
@@ -34,8 +40,7 @@ def prediction(name: str, predicted, measured: float, *, unit: str = "", close: 
     🎯 bytes: no prediction written (set it in the cell above before running); measured 768 B.
     """
     if predicted is None or predicted is Ellipsis:
-        print(f"🎯 {name}: no prediction written (set it in the cell above before running); "
-              f"measured {_fmt(measured, unit)}.")
+        print(f"🎯 {name}: {missing}; measured {_fmt(measured, unit)}.")
         return None
     try:
         p = float(predicted)

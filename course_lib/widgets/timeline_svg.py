@@ -3,7 +3,7 @@
 Pure drawing from :func:`course_lib.maths.traffic.traffic_rows` rows (no widgets); :mod:`course_lib.widgets.traffic`
 puts it in the traffic widget. Every box is at least :data:`MIN_BOX` px wide and named ("RS" inside it,
 or above it when it is too short to hold its name), so a 0.1 ms reduce-scatter beside a 40 ms all-gather
-is still seen. Times are shown in ms from the run's origin (never negative: see :func:`time_origin`), with
+is still seen. Times are shown in ms from the first collective's start (never negative: see :func:`time_origin`), with
 ticks at round values. Collectives are numbered in run order, 1 to n (:func:`run_order`): the number the
 widget's slider and detail line use too.
 """
@@ -41,9 +41,10 @@ def run_order(rows: list[dict]) -> list[dict]:
 
 
 def time_origin(rows: list[dict]) -> float:
-    """Seconds subtracted from every time shown: 0, or the earliest start where aligning the ranks' clocks
-    moved one before 0 (so the axis starts at 0 and no time reads negative)."""
-    return min([0.0] + [r["x0"] for r in rows if r["start"] is not None])
+    """Seconds subtracted from every time shown: the earliest collective's start, so the axis starts where the
+    first collective does (not at the ledger's reset, seconds earlier: a rank's start-up, a model's build) and no
+    time reads negative (aligning the ranks' clocks may move one before the reset)."""
+    return min([r["x0"] for r in rows if r["start"] is not None], default=0.0)
 
 
 def _nice_step(span: float, target: int = 5) -> float:

@@ -116,23 +116,27 @@ def traffic_figure(ledger, analytic=None, title=None, color_by: str = "rank"):
         mine = per_rank[rk]                                 # at least 0.4% of the axis: short ops stay visible
         ax.broken_barh([((r["x0"] - o) * k, max((r["x1"] - r["x0"]) * k, 0.004 * span)) for r in mine], (j - 0.35, 0.7),
                        facecolors=[rank_color(rk) if color_by == "rank" else by_axis[r.get("axis")] for r in mine])
-    if color_by == "axis":
-        ax.legend(handles=[Patch(color=c, label=a) for a, c in by_axis.items() if a is not None], fontsize=7,
-                  title="mesh axis", title_fontsize=7, loc="upper left")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" if r >= 0 else "all devices" for r in ranks])
-    ax.invert_yaxis()
+    if color_by == "axis":              # a band above the first rank's row holds the legend: it covers no box
+        ax.set_ylim(len(ranks) - 0.5, -0.5 - max(1.0, 0.45 * len(ranks)))
+        ax.legend(handles=[Patch(color=c, label=a) for a, c in by_axis.items() if a is not None], fontsize=7,
+                  title="mesh axis", title_fontsize=7, loc="upper left", ncol=3)
+    else:
+        ax.invert_yaxis()
     ax.set_xlim(left=0)
-    ax.set_xlabel("time (ms)" if timed else "program order")
+    ax.set_xlabel("ms since the first collective" if timed else "program order")
     ax.set_title(title or "collectives per rank")
     cmp_ = traffic_compare(ledger, analytic)
-    labels = [f"{(r['phase'] or '')[:3]} {OP_SHORT.get(r['op'], r['op'])}".strip() for r in cmp_]
+    short = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+    labels = [f"{short.get(r['phase'] or '', r['phase'] or '')} {OP_SHORT.get(r['op'], r['op'])}".strip() for r in cmp_]
     xs = range(len(cmp_))
     ax2.bar([x - 0.2 for x in xs], [r["measured"] for r in cmp_], 0.4, label="measured", color="#555")
     if analytic is not None:
         ax2.bar([x + 0.2 for x in xs], [r["analytic"] or 0 for r in cmp_], 0.4, label="analytic", color="#bbb")
     ax2.set_xticks(list(xs), labels, rotation=45, fontsize=8)
     ax2.set_ylabel("wire bytes per rank per step")
-    ax2.legend(fontsize=7)
+    ax2.set_ylim(0, 1.3 * max([r["measured"] for r in cmp_] + [r["analytic"] or 0 for r in cmp_] + [1]))
+    ax2.legend(fontsize=7, loc="upper right", ncol=2)        # in the headroom above the bars, covering none
     fig.tight_layout()
     return fig
 
