@@ -193,12 +193,70 @@ def test_gradient_accumulation_multiplies_the_micro_batch():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(float8=True, cluster=Cluster(A100_40GB, 8, 1)), r"float8=True needs fp8 tensor cores; A100-SXM4-40GB"),
     (dict(tp=3), r"tp\(3\) must divide gpus_per_node\(8\).*n_kv_heads\(8\)"),
-    (dict(tp=2, strategy="dp"), r"tp=2 with strategy='dp'.*'fsdp' or 'hsdp'"),
+    (dict(loss="int8"), r"loss='int8' must be one of \['bf16', 'fp32', 'fused'\]"),
     (dict(compute_efficiency=0.8, compile=True), r"compute_efficiency=0.8 is the one-number model.*compile=True"),
     (dict(grad_accum=0), r"grad_accum=0 must be an int >= 1"),
-    (dict(attention="xformers"), r"attention='xformers' must be one of \['flash2', 'triton'\]"),
+    (dict(attention="xformers"), r"attention='xformers' must be one of \['cudnn', 'flash2', 'triton'\]"),
 ])
 def test_bad_combinations_name_the_values(kwargs, says):
     cluster, strategy = kwargs.pop("cluster", TT), kwargs.pop("strategy", "fsdp")
     with pytest.raises(ValueError, match=says):
         plan(LLAMA3_8B, cluster, strategy, 1, **kwargs)
+
+
+SLOW = Cluster(H100, 8, 2, inter=planner.ETH_100G)   # two nodes on 100 Gb/s: communication that shows
+
+
+def test_dp_and_zero1_sync_once_per_step_under_accumulation():
+    """DDP's no_sync and ZeRO-1 reduce the accumulated gradient once per step (ZeRO-1 gathers once too);
+    FSDP reduce-scatters and gathers on every micro-batch."""
+    for strategy, per_micro in (("dp", False), ("zero1", False), ("zero2", True), ("fsdp", True)):
+        one = plan(LLAMA3_8B, SLOW, strategy, 1, seq_len=2048, checkpointing="full")
+        four = plan(LLAMA3_8B, SLOW, strategy, 1, seq_len=2048, checkpointing="full", grad_accum=4)
+        assert four.comm_s == pytest.approx((4 if per_micro else 1) * one.comm_s), strategy
+        assert four.parts["exposed comm"] == pytest.approx((4 if per_micro else 1) * one.parts["exposed comm"])
+        assert four.parts["matmul"] == pytest.approx(4 * one.parts["matmul"])
+
+
+def test_zero1_and_dp_compose_with_tensor_parallel():
+    """Megatron-LM runs its distributed optimizer (ZeRO-1) beside TP: each TP rank holds 1/tp of the model,
+    and ZeRO-1 shards that slice's optimizer state over the dp = world / tp data-parallel ranks."""
+    z1 = plan(LLAMA3_8B, NODE, "zero1", 2, seq_len=4096, checkpointing="full", tp=2)
+    psi = math.ceil(LLAMA3_8B.params / 2)
+    assert z1.params + z1.grads == pytest.approx(4 * psi) and z1.optimizer == pytest.approx(12 * psi / 4)
+    assert "tensor parallel (every layer)" in z1.comm_by_op
+    dp = plan(LLAMA3_8B, NODE, "dp", 2, seq_len=4096, checkpointing="full", tp=2)
+    assert dp.state == pytest.approx(16 * psi)
+
+
+def test_the_loss_is_priced_as_it_is_written():
+    """fp32 logits (torchtitan, course_lib.train) keep 14 B per token and vocabulary entry, eager bf16 8, a fused
+    cross-entropy (XLA, Inductor) 6; HBM traffic 40 / 16 / 8 B."""
+    m = planner.course_gpt(type("C", (), dict(n_layers=12, d_model=1024, n_heads=8, d_ff=4096, vocab_size=32768,
+                                             seq_len=1024))())
+    one = Cluster(planner.H200, 1)
+    p = {k: plan(m, one, "fsdp", 16, loss=k, optimizer_bytes=28) for k in ("fp32", "bf16", "fused")}
+    tok, V = 16 * 1024, 32768
+    assert p["fp32"].activations - p["bf16"].activations == pytest.approx(6 * V * tok)     # (14 - 8) B x V x tok
+    assert p["bf16"].activations - p["fused"].activations == pytest.approx(2 * V * tok)
+    assert p["fp32"].step_s > p["bf16"].step_s > p["fused"].step_s
+    assert p["fp32"].allocated == pytest.approx(p["fp32"].total - GiB)       # the 1 GiB reserve is not a tensor
+
+
+def test_cudnn_attention_is_faster_on_hopper_only():
+    h = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192, checkpointing="selective")
+    hc = plan(LLAMA3_8B, NODE, "fsdp", 1, seq_len=8192, checkpointing="selective", attention="cudnn")
+    assert hc.parts["attention"] == pytest.approx(h.parts["attention"] * 350 / 480)
+    a100 = Cluster(planner.A100_80GB, 8, 1)
+    assert plan(LLAMA3_8B, a100, "fsdp", 1, attention="cudnn").step_s == plan(LLAMA3_8B, a100, "fsdp", 1).step_s
+
+
+def test_course_gpt_shape_counts_the_course_models_parameters():
+    from course_lib.models.config import GPTConfig, param_count
+    cfg = GPTConfig(vocab_size=32768, seq_len=1024, d_model=1024, n_heads=8, n_layers=12, d_ff=4096)
+    shape = planner.course_gpt(cfg)
+    assert shape.params == pytest.approx(param_count(cfg), rel=0.01)       # biases, norms' bias, positions: < 1%
+    assert (shape.norm, shape.rope, shape.gated_mlp, shape.fused_qkv) == ("layer", False, False, True)
+    # the activation table, counted for this GPT's ops (torch eager, SDPA): ln1 in 2d, qkv in 2d, q k v 6d,
+    # attention out 2d, ln2 in 2d, fc in 2d, GELU in 2f, proj in 2f = 16d + 4f bytes per token and layer
+    assert shape.activation_bytes_per_token_layer() == 16 * 1024 + 4 * 4096

@@ -28,9 +28,17 @@ goes to norms and softmax shows a low MFU on fast GPUs.
 **Memory per GPU** = model state (:func:`course_lib.maths.memory.state_bytes`: mixed precision + Adam, the ZeRO
 paper's ``K = 12``) + FSDP's gathered buffers (two units in flight, one unit's unsharded gradient) + activations
 (:func:`course_lib.maths.planner_work.saved_bytes_per_token` per layer; under checkpointing plus one layer
-rebuilt at a time) + the loss: bf16 logits kept by the caller, fp32 log-probabilities saved for backward, their
-gradient and the logits' fp32 gradient alive together = ``14·V`` bytes per token (not 6) + 1 GiB of reserve
-(cuBLAS workspaces, NCCL buffers, the caching allocator's rounding).
+rebuilt at a time) + the loss (:data:`LOGITS_BYTES`, by how it is written: ``loss="fp32"``: bf16 logits kept by
+the caller, fp32 log-probabilities saved for backward, their gradient and the logits' fp32 gradient alive
+together = ``14·V`` bytes per token, not 6; ``"bf16"``: the same four in bf16, ``8·V``; ``"fused"``: the bf16
+logits and one fp32 gradient, ``6·V``) + 1 GiB of reserve (cuBLAS workspaces, NCCL buffers, the caching
+allocator's rounding), which :attr:`Plan.allocated` leaves out: it is what ``torch.cuda.max_memory_allocated``
+and JAX's ``peak_bytes_in_use`` count.
+
+**Gradient accumulation**: FSDP / ZeRO-2 / HSDP reduce (and FSDP gathers) on every micro-batch; DDP
+(``no_sync``) and ZeRO-1 reduce the accumulated gradient once per step, and ZeRO-1 gathers the updated
+parameters once per step. Tensor parallelism composes with every strategy (Megatron-LM runs its distributed
+optimizer, ZeRO-1, and plain DP beside TP; FSDP2 and torchtitan run FSDP x TP).
 
 Calibration and validation against published runs: :mod:`course_lib.maths.planner_runs`.
 
@@ -45,18 +53,18 @@ from course_lib.maths import memory
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, step_cost
-from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, IB_HDR,
+from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, H200, IB_HDR,
                                          IB_NDR, NVLINK_A100, NVLINK_H100, PCIE4, ROCE_1600G, GiB, Link)
 
-__all__ = ["ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "CHECKPOINTING", "BREAKDOWN",
-           "LLAMA3_8B", "LLAMA3_70B", "LLAMA_65B", "GPT3_175B", "A100_40GB", "A100_80GB", "H100", "H100_TT500W",
+__all__ = ["ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "course_gpt", "CHECKPOINTING", "BREAKDOWN",
+           "LLAMA3_8B", "LLAMA3_70B", "LLAMA_65B", "GPT3_175B", "A100_40GB", "A100_80GB", "H100", "H100_TT500W", "H200",
            "NVLINK_A100", "NVLINK_H100", "IB_HDR", "IB_NDR", "ROCE_1600G", "ETH_100G", "ETH_10G", "PCIE4", "GiB"]
 
 CHECKPOINTING = ("none", "selective", "full")
 #: the parts of a step, in the order Lab 08 stacks them
 BREAKDOWN = ("matmul", "attention", "memory-bound", "recompute", "exposed comm")
 RESERVE_BYTES = 1 * GiB       #: cuBLAS workspaces, NCCL buffers, allocator rounding (an assumption)
-LOGITS_BYTES = 14             #: per token and vocabulary entry: bf16 logits 2 + fp32 log-probs 4 + 2 fp32 grads 8
+LOGITS_BYTES = {"fp32": 14, "bf16": 8, "fused": 6}   #: per token and vocabulary entry, by ``loss=`` (docstring)
 NCCL_CHANNELS = 16            #: SMs a running collective takes from compute (planner_hw [NCCL])
 #: share of a step in which the GPU runs no kernel at all (launch gaps, host synchronisation, Python): every
 #: compute part is stretched by 1 / (1 - IDLE_FRACTION). The one constant fitted to a training run for every GPU:
@@ -200,9 +208,11 @@ class Plan:
     grad_accum: int = 1
     compile: bool = False
     float8: bool = False
+    reserve: float = RESERVE_BYTES   #: the part of ``activations`` outside the caching allocator's tensors
 
     state = property(lambda self: self.params + self.grads + self.optimizer)
     total = property(lambda self: self.state + self.buffers + self.activations)
+    allocated = property(lambda self: self.total - self.reserve)   #: what max_memory_allocated would read
     fits = property(lambda self: self.total <= self.memory_limit)
     step_s = property(lambda self: self.compute_s + self.exposed_comm_s)
     tokens_per_step = property(lambda self: self.batch * self.seq_len * self.grad_accum / self.tp)   #: per GPU
@@ -252,9 +262,6 @@ def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficie
         raise ValueError(f"float8=True needs fp8 tensor cores; {cluster.gpu.name} has none: use an H100 or "
                          "float8=False")
     if tp > 1:
-        if strategy not in ("fsdp", "zero3", "hsdp"):
-            raise ValueError(f"tp={tp} with strategy={strategy!r}: tensor parallelism composes with 'fsdp' or "
-                             "'hsdp' (2-D FSDP x TP); use one of them or tp=1")
         if cluster.gpus_per_node % tp or model.n_kv_heads % tp:
             raise ValueError(f"tp({tp}) must divide gpus_per_node({cluster.gpus_per_node}) -- TP stays on NVLink "
                              f"inside a node -- and n_kv_heads({model.n_kv_heads}) -- each GPU owns whole heads; "
@@ -264,7 +271,7 @@ def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficie
 def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_len: int | None = None,
          checkpointing: str = "none", replicate: int | None = None, compute_efficiency: float | None = None,
          reduce_bytes: int = 4, overlap: bool = True, compile: bool = False, float8: bool = False, tp: int = 1,
-         grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2") -> Plan:
+         grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2", loss: str = "fp32") -> Plan:
     """One training step of ``model`` on ``cluster``: ``grad_accum`` micro-batches of ``batch`` sequences per
     data-parallel rank (a TP group of ``tp`` GPUs shares one), then the optimizer.
 
@@ -275,11 +282,16 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     torch.compile per block. ``float8``: the blocks' linears in fp8 with dynamic scaling. ``tp``: tensor
     parallel degree inside a node, with sequence parallelism. ``optimizer_bytes``: HBM bytes AdamW moves per
     local parameter (72: PyTorch's foreach implementation, 6 kernels over fp32 param, grad, m, v).
-    ``attention``: the kernel, ``"flash2"`` (PyTorch SDPA) or ``"triton"`` (MosaicML's 2023 runs).
+    ``attention``: the kernel, ``"flash2"`` (PyTorch SDPA's flash backend), ``"cudnn"`` (cuDNN's fused attention:
+    JAX's ``implementation="cudnn"``, SDPA's cuDNN backend) or ``"triton"`` (MosaicML's 2023 runs). ``loss``: how
+    the cross-entropy is written (:data:`~course_lib.maths.planner_work.LOSS_KINDS`): ``"fp32"`` (logits cast to
+    fp32, eager), ``"bf16"`` (eager on bf16 logits) or ``"fused"`` (one fused kernel: compiled, or XLA).
     ``compute_efficiency``: the course's old one-number model -- every FLOP at that fraction of peak, no
     memory-bound work -- kept to show what it misses. ``overlap=False``: nothing hides under compute.
     """
     row = strategies.get(strategy)
+    if loss not in LOGITS_BYTES:
+        raise ValueError(f"loss={loss!r} must be one of {sorted(LOGITS_BYTES)}")
     _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficiency, tp, grad_accum, compile, float8)
     n, s, gpu = cluster.world, seq_len or model.seq_len, cluster.gpu
     if n % tp:
@@ -297,7 +309,7 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     act = L * work.saved_bytes_per_token(model, checkpointing) * tok
     if checkpointing != "none":
         act += work.saved_bytes_per_token(model, "none") * tok   # one layer rebuilt at a time in backward
-    act += LOGITS_BYTES * V * tok + RESERVE_BYTES
+    act += LOGITS_BYTES[loss] * V * tok + RESERVE_BYTES
     # -- compute, per micro-batch ------------------------------------------------------------------------
     mm_block, mm_head = work.matmul_flops_per_token(model)
     attn = work.attention_flops_per_token(model, s)
@@ -316,7 +328,7 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
         pw = work.pointwise_bytes_per_token(model, compile) * L
         mm_s = tok * 3 * (mm_block / blk_rate + mm_head / head_rate)
         attn_s = tok * 3.5 * attn / attn_rate
-        per_tok = 3 * pw + work.loss_bytes_per_token(model, False)
+        per_tok = 3 * pw + work.loss_bytes_per_token(model, loss)
         per_tok += work.float8_bytes_per_token(model, compile) if float8 else 0.0
         fsdp_copies = 18 * model.params / tp if row.params else 0.0   # copy-out of 2 gathers, cast + copy-in
         mem_s = (tok * per_tok + fsdp_copies) / bw
@@ -357,16 +369,19 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
         exposed = min(exposed, fsdp_comm)
         hidden = fsdp_comm - exposed
     slowdown = hidden * NCCL_CHANNELS / gpu.sms if compute_efficiency is None else 0.0
+    # DDP (no_sync) and ZeRO-1 sync the accumulated gradient once per step: only the last micro-batch's
+    # backward can hide it. FSDP / ZeRO-2 / HSDP reduce-scatter (and FSDP gathers) every micro-batch.
+    syncs = grad_accum if (row.params or row.grads) else 1
     # -- the step ----------------------------------------------------------------------------------------
     opt_s = 0.0 if compute_efficiency is not None else \
         stretch * optimizer_bytes * st.optimizer / 12 / gpu.stream_bytes_per_s   # Adam state: 12 B per local param
     parts = {"matmul": grad_accum * mm_s, "attention": grad_accum * attn_s,
              "memory-bound": grad_accum * mem_s + opt_s, "recompute": grad_accum * rec_s,
-             "exposed comm": grad_accum * (exposed + slowdown + tp_s)}
+             "exposed comm": syncs * (exposed + slowdown) + grad_accum * tp_s}
     return Plan(strategy=strategy, world=n, replicate=r, batch=batch, seq_len=s, checkpointing=checkpointing,
                 params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=float(buffers),
                 activations=float(act), memory_limit=float(gpu.memory_bytes),
-                compute_s=grad_accum * micro_c + opt_s, comm_s=grad_accum * (fsdp_comm + tp_s),
+                compute_s=grad_accum * micro_c + opt_s, comm_s=syncs * fsdp_comm + grad_accum * tp_s,
                 exposed_comm_s=parts["exposed comm"], model_flops_per_token=mf, hardware_flops_per_token=hw,
                 peak_flops=gpu.peak_flops, comm_by_op=by_op, parts=parts, tp=tp, grad_accum=grad_accum,
                 compile=compile, float8=float8)
@@ -379,5 +394,14 @@ LLAMA3_70B = ModelShape("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, 8192)
 LLAMA_65B = ModelShape("LLaMA-65B", 80, 8192, 64, 64, 22016, 32000, 2048)
 #: Brown et al., "Language Models are Few-Shot Learners" (2020), table 2.1: 96 layers, d 12288, 96 heads, 2048 ctx
 #: (biases and the 25M learned position embeddings left out: 0.02% of the parameters).
+def course_gpt(cfg, name: str = "") -> ModelShape:
+    """The course GPT (:class:`course_lib.models.config.GPTConfig`, or anything with its fields) as a
+    ModelShape: GELU MLP, LayerNorm, fused qkv, learned positions (no RoPE), untied head. Its biases and
+    position table (under 1% of the parameters at the sizes a GPU runs) are left out, as for GPT-3 below."""
+    return ModelShape(name or f"course GPT L{cfg.n_layers} d{cfg.d_model}", cfg.n_layers, cfg.d_model, cfg.n_heads,
+                      cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len, gated_mlp=False, tied_embeddings=False,
+                      norm="layer", rope=False, fused_qkv=True)
+
+
 GPT3_175B = ModelShape("GPT-3-175B", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, gated_mlp=False, tied_embeddings=True,
                        norm="layer", rope=False, fused_qkv=True)

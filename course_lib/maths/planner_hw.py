@@ -30,6 +30,13 @@ Sources (every constant below names which):
 * [FA3] Shah et al., "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision"
   (2024, arXiv:2407.08608), fig. 5-6: FlashAttention-2 on H100 SXM5 reaches only ~35% of peak
   (~330-350 TFLOP/s at long causal sequences, ~200 at 512), the kernel PyTorch's SDPA runs.
+* [CUDNN-H] the same FlashAttention-3 paper, fig. 5-6, which also plots cuDNN's fused attention on H100 SXM5
+  (head dim 128, bf16): causal forward ~550-600 TFLOP/s and backward ~430-470 at long sequences, i.e.
+  ~480 TFLOP/s fwd + bwd counted the papers' way (bwd = 2.5 x fwd): 1.4 x FlashAttention-2 on Hopper, the
+  kernel ``jax.nn.dot_product_attention(..., implementation="cudnn")`` and PyTorch SDPA's cuDNN backend run.
+  Hopper only: on an A100 cuDNN's kernel is charged FlashAttention-2's rate.
+* [H200] NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (bf16 dense 989 TFLOP/s, 132 SMs)
+  with 141 GB of HBM3e at 4.8 TB/s.
 * [FA2-TRITON] the same FlashAttention-2 paper, abstract and sec. 4.1: FlashAttention-2 is "1.3-2.5x faster than
   FlashAttention in Triton" -- the Triton kernel MosaicML's benchmarks ran (``--attn_impl triton``): charged
   at the FlashAttention-2 rate / 1.8 (the geometric middle of that range).
@@ -50,13 +57,15 @@ from dataclasses import dataclass
 
 from course_lib.maths.costs import AlphaBeta
 
-__all__ = ["GPU", "Link", "GiB", "ATTENTION_KERNELS", "A100_40GB", "A100_80GB", "H100", "H100_TT500W", "NVLINK_A100",
+__all__ = ["GPU", "Link", "GiB", "ATTENTION_KERNELS", "A100_40GB", "A100_80GB", "H100", "H100_TT500W", "H200",
+           "NVLINK_A100",
            "NVLINK_H100",
            "PCIE4", "IB_HDR", "IB_NDR", "ROCE_1600G", "ETH_100G", "ETH_10G"]
 
 GiB = 1024 ** 3
-#: attention kernel -> its speed relative to FlashAttention-2 (PyTorch SDPA's flash backend) [FA2-TRITON]
-ATTENTION_KERNELS = {"flash2": 1.0, "triton": 1 / 1.8}
+#: attention kernel -> its speed relative to FlashAttention-2 (PyTorch SDPA's flash backend) [FA2-TRITON];
+#: "cudnn" runs at the GPU's own ``cudnn_attention_flops`` where it has one (Hopper) [CUDNN-H]
+ATTENTION_KERNELS = {"flash2": 1.0, "triton": 1 / 1.8, "cudnn": 1.0}
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class GPU:
     memory_fraction: float = 0.85      #: elementwise kernels reach this fraction of HBM bandwidth [STREAM]
     clock_factor: float = 1.0          #: < 1 for a power-capped part: every compute kernel slows by it
     sms: int = 108                     #: streaming multiprocessors (NCCL's channels borrow some)
+    cudnn_attention_flops: float = 0.0  #: cuDNN's fused attention fwd+bwd, causal, long sequences (0: as flash2)
 
     def __post_init__(self):
         bad = {k: getattr(self, k) for k in ("memory_bytes", "peak_flops", "hbm_bytes_per_s")
@@ -89,6 +99,8 @@ class GPU:
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention={kernel!r} must be one of {sorted(ATTENTION_KERNELS)}")
         top = self.attention_flops or 0.5 * self.peak_flops   # a GPU without a published figure: half of peak
+        if kernel == "cudnn" and self.cudnn_attention_flops:
+            top = self.cudnn_attention_flops
         return self.clock_factor * top * ATTENTION_KERNELS[kernel] * seq_len / (seq_len + self.attention_half_seq)
 
     def matmul_rate(self, inner: int, fp8: bool = False) -> float:
@@ -136,12 +148,16 @@ A100_40GB = GPU("A100-SXM4-40GB", 40 * GiB, 312e12, 1.555e12, 0.87, 190e12, 600,
 A100_80GB = GPU("A100-SXM4-80GB", 80 * GiB, 312e12, 2.039e12, 0.87, 190e12, 600, sms=108)
 #: [H100] [GEMM] [FA3]; fp8 GEMMs' fraction of the fp8 peak is fitted to the calibration set's float8 run
 #: (planner_runs.fit_calibration)
-H100 = GPU("H100-SXM5-80GB", 80 * GiB, 989e12, 3.35e12, 0.80, 350e12, 900, 1979e12, 0.62, sms=132)
+H100 = GPU("H100-SXM5-80GB", 80 * GiB, 989e12, 3.35e12, 0.80, 350e12, 900, 1979e12, 0.62, sms=132,
+           cudnn_attention_flops=480e12)
+#: [H200]: the H100 with HBM3e
+H200 = GPU("H200-SXM-141GB", 141 * 10**9, 989e12, 4.8e12, 0.80, 350e12, 900, 1979e12, 0.62, sms=132,
+           cudnn_attention_flops=480e12)
 #: [TT-HW]: torchtitan's H100s -- 96 GB HBM2e at 2.4 TB/s, 500 W, "peak between SXM and NVL". Clock factor: the
 #: peak interpolated by power limit between H100 NVL (835 TFLOP/s dense bf16 at 400 W, NVIDIA H100 NVL datasheet)
 #: and SXM5 (989 at 700 W): 835 + (989 - 835) · (500 - 400) / (700 - 400) = 886 TFLOP/s, 0.896 of 989.
 H100_TT500W = GPU("H100-96GB-HBM2e-500W", 96 * GiB, 989e12, 2.4e12, 0.80, 350e12, 900, 1979e12, 0.62,
-                  clock_factor=886 / 989, sms=132)
+                  clock_factor=886 / 989, sms=132, cudnn_attention_flops=480e12)
 
 #: [A100] [H100] [NCCL]: NVLink per GPU, one direction
 NVLINK_A100 = Link("NVLink 3 (A100)", 300e9, 2e-6, 0.78, 4 * 2**20)

@@ -22,9 +22,12 @@ SwiGLU (per d_ff element)     silu r2 w2, mul r4 w2: 10                   r4 w2:
 GELU (per d_ff element)       r2 w2: 4                                    4
 ============================  ==========================================  ======================================
 
-**Loss** (per token, ``V`` = vocabulary): eager -- logits.float() r2 w4, log_softmax r8 w4, nll backward writes
-a dense fp32 gradient w4, log_softmax backward r8 w4, the cast back r4 w2: ``40·V`` bytes; compiled (a fused
-cross-entropy): read the logits twice and write their gradient: ``8·V``.
+**Loss** (per token, ``V`` = vocabulary), by how the step writes it (``loss=``): ``"fp32"`` (eager,
+``F.cross_entropy(logits.float(), y)`` as torchtitan and ``course_lib.train`` write it) -- logits.float() r2 w4,
+log_softmax r8 w4, nll backward writes a dense fp32 gradient w4, log_softmax backward r8 w4, the cast back
+r4 w2: ``40·V`` bytes; ``"bf16"`` (eager on the bf16 logits) -- log_softmax r4 w2, nll backward w2,
+log_softmax backward r4 w2: ``16·V``; ``"fused"`` (one fused cross-entropy forward and backward: Inductor's, or
+XLA's fusion of the same ops in JAX): read the logits twice and write their gradient: ``8·V``.
 
 **Float8 scaling** (torchao's dynamic tensorwise recipe, as torchtitan runs it): every linear's input and its
 output gradient get an amax (read 2 B) and a cast to fp8 (read 2, write 1), and the backward a transposed fp8
@@ -38,7 +41,8 @@ FLOPs per token: ``2·(parameters of every matmul)`` forward, twice that backwar
 from __future__ import annotations
 
 __all__ = ["block_matmuls", "matmul_flops_per_token", "attention_flops_per_token", "pointwise_bytes_per_token",
-           "loss_bytes_per_token", "recomputed_matmul_fraction", "saved_bytes_per_token", "float8_bytes_per_token"]
+           "loss_bytes_per_token", "LOSS_KINDS", "recomputed_matmul_fraction", "saved_bytes_per_token",
+           "float8_bytes_per_token"]
 
 
 def block_matmuls(m) -> list[tuple[int, int]]:
@@ -76,9 +80,16 @@ def pointwise_bytes_per_token(m, compile: bool) -> float:
     return norms + adds + rope + 4 * d + act
 
 
-def loss_bytes_per_token(m, compile: bool) -> float:
-    """Forward + backward bytes per token of the loss over ``V`` logits (40·V eager, 8·V compiled)."""
-    return (8 if compile else 40) * m.vocab_size
+LOSS_KINDS = ("fp32", "bf16", "fused")   #: how the cross-entropy is written (module docstring)
+
+
+def loss_bytes_per_token(m, compile: bool | str) -> float:
+    """Forward + backward bytes per token of the loss over ``V`` logits: ``compile`` is a :data:`LOSS_KINDS`
+    name, or a bool (True: ``"fused"``, False: ``"fp32"``)."""
+    kind = compile if isinstance(compile, str) else ("fused" if compile else "fp32")
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"loss={kind!r} must be one of {LOSS_KINDS}")
+    return {"fp32": 40, "bf16": 16, "fused": 8}[kind] * m.vocab_size
 
 
 def float8_bytes_per_token(m, compile: bool) -> float:
