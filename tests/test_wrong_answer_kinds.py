@@ -6,6 +6,9 @@ as a learner runs it): the check must return False, print its ❌ line with the 
 declares for that mistake, and never let a traceback through. Each exercise declares the kinds of mistake it
 guards (:data:`course_lib.checks.registry.KINDS`); the catalogue must hold one wrong answer of each.
 
+The same modules' ``RIGHT`` lists hold valid alternatives written another way than the reference: each must pass
+its check (a check that rejects them stops a learner who was right).
+
 ``pytest tests/test_wrong_answer_kinds.py -p no:xdist -s`` prints the kill table: per exercise, the wrong answers
 tried and rejected, by kind.
 """
@@ -23,17 +26,18 @@ HERE = Path(__file__).resolve().parent / "wrong_answers"
 sys.path.insert(0, str(HERE.parent))     # `from wrong_answers import Wrong` in the catalogue modules
 
 
-def _catalogue() -> list:
-    found = []
+def _catalogue() -> tuple[list, list]:
+    found, right = [], []
     for path in sorted(HERE.glob("lab*.py")):
         spec = importlib.util.spec_from_file_location(f"wrong_answers_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         found += module.WRONG
-    return found
+        right += getattr(module, "RIGHT", [])
+    return found, right
 
 
-CATALOGUE = _catalogue()
+CATALOGUE, RIGHT = _catalogue()
 RESULTS: list = []        # (exercise, kind, rejected) of the answers run so far, for the kill table
 
 
@@ -94,6 +98,21 @@ def test_a_wrong_answer_is_rejected_with_its_diagnosis(w, monkeypatch, capsys, t
         rejected = True
     finally:
         RESULTS.append((ex, w.kind, rejected))
+
+
+@pytest.mark.parametrize("a", RIGHT, ids=[f"{a.lab}-{a.exercise}-right-{i}" for i, a in enumerate(RIGHT)])
+def test_a_valid_alternative_is_accepted(a, monkeypatch, capsys, tmp_path):
+    """No false rejections: an answer written another way than the reference, but right, passes its check."""
+    monkeypatch.setenv("COURSE_LIB_STRICT_CHECKS", "0")
+    ex = registry.find(a.lab, a.exercise)
+    ns = _namespace()
+    cell = tmp_path / "ipykernel_0" / f"{a.lab}_{a.exercise.replace(' ', '').replace('/', '_')}_right.py"
+    cell.parent.mkdir()
+    cell.write_text(a.source)
+    exec(compile(a.source, str(cell), "exec"), ns)
+    result = eval(compile(a.call, f"<cell {a.lab}/{a.exercise} check>", "eval"), ns)
+    out = capsys.readouterr().out
+    assert result is True and registry.verdict(ex, out) == ("solved", None), f"{a.lab}/{a.exercise} ({a.why}):\n{out}"
 
 
 def test_zz_kill_table():

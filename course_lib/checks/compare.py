@@ -16,6 +16,7 @@ from course_lib.checks.core import CheckFailed, Detector, current
 __all__ = [
     "TOLERANCES", "assert_close", "parity_check",
     "summed_not_averaged", "averaged_twice", "skipped_collective", "wrong_shard_offset", "not_updated",
+    "shares_memory", "untiled_collective",
 ]
 
 #: The one place tolerances live. Every lab's final parity check uses one of these kinds.
@@ -155,6 +156,30 @@ def _shape_hint(got: np.ndarray, exp: np.ndarray) -> str:
     if got.size == exp.size:
         return "same number of elements, different shape → a missing reshape/view"
     return ""
+
+
+# ------------------------------------------------------------------- how a value was made, not what it is
+def shares_memory(a: Any, b: Any) -> bool:
+    """True if torch tensors ``a`` and ``b`` overlap in memory (a view of the other, or both views of one storage
+    whose byte ranges meet): a later in-place write to one changes the other."""
+    import torch
+    if not all(isinstance(t, torch.Tensor) and t.numel() for t in (a, b)) or a.device != b.device \
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    span = lambda t: [(t.storage_offset() + sum(f(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))  # noqa: E731
+                       + (k == 1)) * t.element_size() - k for k, f in ((0, min), (1, max))]   # [first, last] byte
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 <= b1 and b0 <= a1
+
+
+def untiled_collective(exc: BaseException) -> str | None:
+    """The flag a JAX collective was called without, when that is why it raised (JAX's ValueError names sizes)."""
+    import re
+    m = re.search(r"reduce_scatter operand scatter dimension size (\d+) must match shard count (\d+)", str(exc))
+    return None if m is None else (
+        f"psum_scatter was called without tiled=True: untiled, it needs the scatter dimension's size ({m[1]}) to "
+        f"equal the device count ({m[2]}) and removes that dimension; tiled=True cuts it into {m[2]} blocks and "
+        "keeps one (scatter_dimension= says which dimension to cut)")
 
 
 # ---------------------------------------------------------------------------------- comparison

@@ -13,6 +13,7 @@ import numpy as np
 from course_lib import checks
 from course_lib.maths.costs import wire_bytes
 from course_lib.comm.collectives import RING_OPS
+from course_lib.checks.compare import shares_memory, untiled_collective
 from course_lib.checks.registry import exercise
 
 __all__ = ["check_all_reduce", "check_ring_bytes", "check_jax_all_reduce", "HINTS"]
@@ -50,6 +51,7 @@ def _inputs(rank: int, numel: int):
 
 
 def _all_reduce_on_rank(fn, numel: int) -> dict:
+    import torch
     import torch.distributed as dist
 
     from course_lib.comm import torch_ledger as lt
@@ -59,11 +61,32 @@ def _all_reduce_on_rank(fn, numel: int) -> dict:
     with lt.paused():                             # the reference: not part of the learner's ledger
         ref = x.clone()
         dist.all_reduce(ref)
+    given = {"sum": x.clone(), "mean": x.clone()}     # the tensors handed to fn: aliased or overwritten?
     with lt.phase("sum"):
-        got_sum = fn(x.clone())
+        got_sum = fn(given["sum"])
     with lt.phase("mean"):
-        got_mean = fn(x.clone(), mean=True)
-    return {"x": x, "ref": ref, "sum": got_sum, "mean": got_mean}
+        got_mean = fn(given["mean"], mean=True)
+    got = {"sum": got_sum, "mean": got_mean}
+    return {"x": x, "ref": ref, "sum": got_sum, "mean": got_mean,
+            "alias": [k for k in got if shares_memory(got[k], given[k])],
+            "overwritten": [k for k in got if not torch.equal(given[k], x)]}
+
+
+def _input_problem(result, n: int, name: str) -> str | None:
+    """The values are right: was the input returned (aliased) or overwritten? The text asks for a NEW tensor."""
+    call = {"sum": f"{name}(x)", "mean": f"{name}(x, mean=True)"}
+    for r in range(n):
+        o = result[r]
+        if o["alias"]:
+            return (f"the values are right, but on rank {r} {call[o['alias'][0]]} returns a tensor that shares "
+                    "memory with its input x (x itself, or a view of it, written in place) → returned the input "
+                    "tensor, not a NEW one: the caller's x now holds the result, and a later in-place op on x "
+                    "(or on the result) changes the other. Gather into torch.empty_like(x)")
+        if o["overwritten"]:
+            return (f"the values are right, but on rank {r} {call[o['overwritten'][0]]} changed its input x → "
+                    "overwrote the input in place (x /= N, or a collective's output written into x): the caller's "
+                    "x is not the caller's any more; compute into new tensors (x.new_empty, torch.empty_like)")
+    return None
 
 
 def _gathered_inputs(x: list) -> checks.Detector:
@@ -112,7 +135,9 @@ def _cost_problem(records, numel: int, n: int, call: str) -> str | None:
                     'input gathered': 'the all-gather was fed the input', 'shifted shards': 'shifted by',
                     'mean ignored': 'summed instead of averaging',
                     'all_reduce called': 'called all_reduce itself',
-                    'whole tensors gathered': "gathered every rank's whole tensor"})
+                    'whole tensors gathered': "gathered every rank's whole tensor",
+                    'input returned': 'returned the input tensor, not a NEW one',
+                    'input overwritten': 'overwrote the input in place'})
 def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_all_reduce") -> bool:
     """Exercise check: ``fn(x, mean=False)`` on every rank equals ``dist.all_reduce(x)`` (÷N if mean),
     and is built from a reduce-scatter and an all-gather (read from the ledger), for the sum and the mean."""
@@ -135,6 +160,9 @@ def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_a
             problem = _cost_problem(list(result.ledger.filter(phase=phase, rank=0)), numel, n, call)
             if problem:
                 raise AssertionError(problem)
+        problem = _input_problem(result, n, name)
+        if problem:
+            raise AssertionError(problem)
         ops = _ops(result.ledger, "sum")
         v = numel * 4
         c.ok(f"matches dist.all_reduce on {n} ranks (sum and mean); ledger: {' + '.join(ops)}, "
@@ -237,6 +265,7 @@ def _averaged(n: int) -> checks.Detector:
           mistakes={'stacked gather': 'all_gather without tiled=True',
                     'shard not gathered': "the reduce-scatter's output was not all-gathered",
                     'averaged': 'where the exercise asks for the sum', 'psum': 'a psum (one all-reduce)',
+                    'untiled scatter': 'psum_scatter was called without tiled=True',
                     'whole blocks gathered': "gathers every device's whole block"})
 def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce") -> bool:
     """Exercise check: ``fn(block)`` under ``jax.shard_map`` over ``mesh``'s one axis equals the sum
@@ -255,7 +284,14 @@ def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce"
         x = jax.device_put(blocks.reshape(-1), NamedSharding(mesh, P(axis)))
         # out_specs P(axis): the result holds every device's output side by side, so each is checked
         f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False))
-        got = np.asarray(f(x))
+        try:
+            got = np.asarray(f(x))
+        except ValueError as e:                   # JAX names the sizes; the learner needs the flag
+            flag = untiled_collective(e)
+            if flag is None:
+                raise
+            raise AssertionError(f"{name} raised {type(e).__name__}: {str(e).splitlines()[0]}\n   likely mistake: "
+                                 f"{flag}") from None
         ref = blocks.sum(axis=0)
         if got.shape != (n * numel,):             # per device: out_specs P(axis) stacks along axis 0
             per = (got.shape[0] // n,) + got.shape[1:] if got.ndim else got.shape

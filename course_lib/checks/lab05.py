@@ -5,6 +5,7 @@ import numpy as np
 
 from course_lib import checks
 from course_lib.strategies.fsdp.jax import AXIS, MIN_SIZE, gather_vjp
+from course_lib.checks.compare import untiled_collective
 from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "check_spec_rule", "check_gather_pair"]
@@ -230,6 +231,7 @@ def _divided_in_backward(n: int):
           mistakes={'psum instead of psum_scatter': 'psum sums but does not scatter',
                     'psum then slice': '2× the bytes of a psum_scatter', 'psum as a gather': '2× the bytes of an all_gather',
                     'dim ignored': 'use the argument `dim`', 'untiled gather': 'tiled=True concatenates',
+                    'untiled scatter': 'psum_scatter was called without tiled=True',
                     'gathered on the wrong dim': 'gathered along the wrong dimension',
                     'scattered on the wrong dim': 'scattered along the wrong dimension',
                     'divided in the backward': 'the loss already carries the ÷N',
@@ -254,7 +256,14 @@ def check_gather_pair(fwd, bwd, mesh, name: str = "gather_pair") -> bool:
     full1, shard1 = (16, 8 * n), (16, 8)                             # a weight cut along dim 1
     with checks.check(name, tests=TESTS["gather_pair"]) as c:
         # a crash in the answer (an axis or argument JAX refuses) propagates: check() names its line and likely cause
-        fs, bs = _per_device_shapes(fwd, bwd, mesh, w.shape, (8, 24))
+        try:
+            fs, bs = _per_device_shapes(fwd, bwd, mesh, w.shape, (8, 24))
+        except ValueError as e:                   # JAX names the sizes; the learner needs the flag
+            flag = untiled_collective(e)
+            if flag is None:
+                raise
+            raise AssertionError(f"backward: raised {type(e).__name__}: {str(e).splitlines()[0]}\n   likely mistake: "
+                                 f"{flag}") from None
         f, b, fin, bin_ = _per_device(fwd, bwd, mesh, w.shape, (8, 24), 0)
         fwd_ops, bwd_ops = _collectives(f, fin), _collectives(b, bin_)
         wrong = _shape_mistake(fs, bs, w.shape, (8, 24), n, bwd_ops=bwd_ops)

@@ -413,17 +413,33 @@ def tp_spec_mistake(spec, shape, fsdp: int, tensor: int) -> str | None:
     return None if got == ("fsdp", "tensor") else f"{spec}: expected P('fsdp', 'tensor')"
 
 
-#: (shape, F, T): rows and columns each tested against their own axis ((64, 100): the columns divide by F, not
-#: by T), exactly MIN_SIZE elements (32 x 32 = 1024), T = 1, fallbacks, small arrays.
+#: (shape, F, T): rows and columns each tested against their own axis ((100, 36): the columns divide by F, not
+#: by T; the rows by F, not by F·T), exactly MIN_SIZE elements (32 x 32 = 1024), T = 1, fallbacks, small arrays.
 _TP_CASES = [((64, 192), 4, 2), ((512, 64), 2, 4), ((64, 256), 8, 1), ((66, 64), 4, 2), ((32, 32), 4, 2),
-             ((64,), 4, 2), ((16, 8), 4, 2), ((64, 100), 4, 8)]
+             ((64,), 4, 2), ((16, 8), 4, 2), ((100, 36), 4, 8)]   # last: columns and rows divide F, not T or F·T
+
+
+def _fallback_mistake(got, shape, fsdp: int, tensor: int) -> str | None:
+    """A fallback that uses both mesh axes: cut over ('fsdp', 'tensor') together, or the FSDP rule run for F·T."""
+    from jax.sharding import PartitionSpec
+    from course_lib.strategies.fsdp import jax as fsdp_jax
+    if isinstance(got, PartitionSpec) and any(isinstance(e, tuple) and len([a for a in e if a]) > 1 for e in got):
+        return (f"the fallback cuts a dimension across the two axes together ({got}): FSDP over F·T = {fsdp * tensor} devices. The "
+                f"fallback is FSDP over 'fsdp' alone (fsdp_spec(shape, F)); the tensor axis holds it whole")
+    if got == fsdp_jax.fsdp_spec(shape, fsdp * tensor) and got != fsdp_jax.fsdp_spec(shape, fsdp):
+        return (f"the fallback ran the FSDP rule for the product of both mesh axes, F·T = {fsdp * tensor} "
+                f"(fsdp_spec(shape, {fsdp * tensor}) = {got}), but it cuts over 'fsdp' alone: test the dimensions "
+                f"against fsdp = {fsdp}")
+    return None
 
 
 @exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'], guards=("argument", "boundary"),
           mistakes={'cut over both axes on dim 0': 'over both axes', 'axes swapped': 'swaps the axes',
                     'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays',
                     'MIN_SIZE excluded': 'at least MIN_SIZE',
-                    'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide'})
+                    'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide',
+                    'fallback over both axes': 'the fallback cuts a dimension across the two axes',
+                    'fallback for F·T': 'the FSDP rule for the product of both mesh axes'})
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
     import math
@@ -444,6 +460,8 @@ def check_tp_spec(fn, name: str = "tp_spec") -> bool:
                        "MIN_SIZE elements' includes it (>=, not >)")
             elif want == both:
                 why = tp_spec_mistake(got, shape, F, T)
+            elif _fallback_mistake(got, shape, F, T):
+                why = _fallback_mistake(got, shape, F, T)
             elif len(shape) == 2 and shape[0] % F == 0 and shape[1] % T:
                 why = (f"{shape[1]} columns do not divide by tensor={T}: NamedSharding refuses uneven cuts; fall back"
                        + (f" (they do divide by fsdp={F}: test the columns against 'tensor')" if shape[1] % F == 0 else ""))

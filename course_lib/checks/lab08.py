@@ -236,6 +236,28 @@ _EX2_CASES = (
         "a 1.06 GB/s link", 1.059e9, 20e-6, 0.85, 4 * 2**20)), "fsdp", 128, "full"),
 )
 LIMIT = 4096
+#: Not in the ✅ line: the same 32-GPU cluster under other strategies and checkpointing, so that an answer that
+#: reads `strategy`, `checkpointing` or `seq_len` as a constant (every case above is FSDP) is caught and named.
+_EX2_PROBES = (
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 4, inter=planner.ETH_100G), "dp", 2048, "selective"),
+    (planner.LLAMA3_8B, planner.Cluster(planner.H100, 8, 4, inter=planner.ETH_100G), "hsdp", 4096, "full"),
+)
+
+
+def _ex2_ignored(got, model, cluster, strategy, seq, ac) -> str | None:
+    """An argument the answer reads as a constant: ``got`` is the answer for another value of it."""
+    asked = {"strategy": strategy, "seq_len": seq, "checkpointing": ac}
+    others = [("strategy", s) for s in ("fsdp", "dp", "hsdp", "zero1", "zero2")]
+    others += [("checkpointing", a) for a in ("none", "full", "selective")]
+    others += [("seq_len", q) for q in (model.seq_len, 4096, 2048)]
+    for arg, value in others:
+        if value == asked[arg]:
+            continue
+        kw = {**asked, arg: value}
+        if got == reference_compute_bound_batch(model, cluster, kw["strategy"], kw["seq_len"], kw["checkpointing"]):
+            return (f" → that is the answer for {arg}={value!r}, not the {arg}={asked[arg]!r} asked: `{arg}` is "
+                    "ignored (pass every argument on to planner.plan)")
+    return None
 
 
 def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointing="full"):
@@ -252,25 +274,32 @@ def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointi
 
 
 @exercise("08", 'compute_bound_batch', cell='def compute_bound_batch(', hints=HINTS['compute_bound_batch'],
-          guards=("feasible", "boundary"),
+          guards=("feasible", "boundary", "argument"),
           mistakes={'tie not covered': "'covers' is >=", 'limit excluded': "'up to 4096' includes 4096",
                     'off by one': 'off by one', 'tokens': 'that is tokens', 'global batch': 'that is the global batch',
                     'fraction': 'round the crossing point up', 'too small': 'too small',
-                    'not the smallest': 'not the smallest', 'none found': 'is compute-bound'})
+                    'not the smallest': 'not the smallest', 'none found': 'is compute-bound',
+                    'strategy ignored': '`strategy` is ignored', 'checkpointing ignored': '`checkpointing` is ignored',
+                    'seq_len ignored': '`seq_len` is ignored'})
 def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
     """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
     with checks.check(name, tests="six model x cluster cases: the smallest batch per GPU at which the planner says "
-                                  "compute time covers the traffic (one exact tie, one answer of 4096 itself)") as c:
+                                  "compute time covers the traffic (one exact tie, one answer of 4096 itself), and "
+                                  "one cluster under DP and HSDP with other checkpointing") as c:
         rows = []
-        for model, cluster, strategy, seq, ac in _EX2_CASES:
+        for i, (model, cluster, strategy, seq, ac) in enumerate(_EX2_CASES + _EX2_PROBES):
             want, got = reference_compute_bound_batch(model, cluster, strategy, seq, ac), fn(model, cluster, strategy, seq, ac)
             where = (f"{model.name} on {cluster.nodes}x{cluster.gpus_per_node} {cluster.gpu.name} "
-                     f"({cluster.inter.name if cluster.nodes > 1 else cluster.intra.name}), seq {seq}")
+                     f"({cluster.inter.name if cluster.nodes > 1 else cluster.intra.name}), {strategy}, seq {seq}, "
+                     f"checkpointing {ac!r}")
             if got == want:
-                rows.append(f"{model.name} {cluster.nodes * cluster.gpus_per_node} GPUs: {want}")
+                if i < len(_EX2_CASES):
+                    rows.append(f"{model.name} {cluster.nodes * cluster.gpus_per_node} GPUs: {want}")
                 continue
             msg = f"{where}: got {got!r}, expected {want}"
             at = planner.plan(model, cluster, strategy, want, seq_len=seq, checkpointing=ac) if want else None
+            ignored = (_ex2_ignored(got, model, cluster, strategy, seq, ac)
+                       if isinstance(got, int) and not isinstance(got, bool) else None)
             if at is not None and got == want + 1 and at.compute_s == at.comm_s:
                 msg += (f" → at batch {want} compute time equals the communication time exactly, and equal covers "
                         "it: 'covers' is >= (plan.compute_bound), not >")
@@ -287,6 +316,8 @@ def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
                     msg += " → that is the global batch; the answer is per GPU"
                 elif not float(got).is_integer() or (got < want and math.ceil(got) == want):
                     msg += " → a batch is a whole number of sequences: round the crossing point up"
+                elif ignored:
+                    msg += ignored
                 elif got < want:
                     msg += " → too small: at that batch communication still takes longer than compute"
                 else:

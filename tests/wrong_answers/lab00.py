@@ -1,5 +1,5 @@
 """Lab 00's classic mistakes (all-reduce from its halves, in torch and JAX; the ring's cost)."""
-from wrong_answers import Wrong
+from wrong_answers import Right, Wrong
 
 _N = "N = 4\n"
 _MESH = 'import jax\nmesh = jax.make_mesh((8,), ("x",))\n'
@@ -189,4 +189,61 @@ def ring_bytes(op, V, N):
 def ring_bytes(op, V, N):
     return (2 if op == "all_reduce" else 1) * (N - 1) / N * V / (N - 1) * (N - 1) if N > 1 else V / (N - 1)
 """, _RING, "divides by N - 1 when N = 1", ("ZeroDivisionError",)),
+]
+
+# -- round 3: psum_scatter without tiled=True (JAX raises a ValueError that names sizes, not the flag) -----------
+WRONG += [
+    Wrong("00", "jax_all_reduce", "crash", "untiled scatter", _MESH + """\
+def jax_all_reduce(block):
+    shard = jax.lax.psum_scatter(block, "x")          # untiled: wants the block's length to be the device count
+    return jax.lax.all_gather(shard, "x", tiled=True)
+""", _JAR, "psum_scatter without tiled=True"),
+]
+
+# -- round 3: right values in the caller's own tensor (the text asks for a NEW tensor) ---------------------------
+WRONG += [
+    Wrong("00", "my_all_reduce", "cost", "input returned", _N + """\
+def my_all_reduce(x, mean=False):
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    shard = x.new_empty(x.numel() // n)
+    dist.reduce_scatter_tensor(shard, x)
+    if mean:
+        shard /= n
+    dist.all_gather_into_tensor(x, shard)            # "in place, like dist.all_reduce"
+    return x
+""", _AR, "gathers into x and returns it: the result aliases the caller's tensor", ("on rank",)),
+    Wrong("00", "my_all_reduce", "cost", "input overwritten", _N + """\
+def my_all_reduce(x, mean=False):
+    import torch
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    if mean:
+        x /= n                                       # the mean: divide first (the caller's x with it)
+    shard = x.new_empty(x.numel() // n)
+    dist.reduce_scatter_tensor(shard, x)
+    out = torch.empty_like(x)
+    dist.all_gather_into_tensor(out, shard)
+    return out
+""", _AR, "divides the input in place before reducing: right values, the caller's x changed", ("mean=True",)),
+]
+
+RIGHT = [
+    Right("00", "my_all_reduce", _N + """\
+def my_all_reduce(x, mean=False):
+    import torch
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    shard = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(shard, x)
+    out = x.new_empty(x.shape)
+    dist.all_gather_into_tensor(out, shard)
+    return out.div_(n) if mean else out              # in place on its own new tensor: not the input
+""", _AR, "divides the gathered output in place (the result aliases only itself)"),
+    Right("00", "jax_all_reduce", _MESH + """\
+def jax_all_reduce(block):
+    n = jax.lax.axis_size("x")
+    shard = jax.lax.psum_scatter(block.reshape(n, -1), "x")          # untiled: dim 0 IS the device axis
+    return jax.lax.all_gather(shard, "x").reshape(block.shape)       # untiled, then flattened back
+""", _JAR, "untiled collectives with the reshapes that make their shapes line up"),
 ]

@@ -1,5 +1,5 @@
 """Lab 05's classic mistakes (FSDP in JAX: the sharding rule; the all-gather / psum-scatter pair)."""
-from wrong_answers import Wrong
+from wrong_answers import Right, Wrong
 
 #: What the lab's first cells define (8 simulated devices: tests/conftest.py asked for them already).
 SETUP = """\
@@ -124,4 +124,29 @@ WRONG = [
     Wrong("05", "gather_pair", "crash", "crash", pair(
         'return jax.lax.all_gather(w_shard, "fdsp", axis=dim, tiled=True)', RS), PAIR, "a typo'd axis name",
           ("NameError",)),
+]
+
+# -- round 3: a collective called without the flag that makes its shapes line up (JAX raises ValueError) -------
+WRONG += [
+    Wrong("05", "gather_pair", "crash", "untiled scatter",
+          pair(AG, 'return jax.lax.psum_scatter(g_full, "fsdp", scatter_dimension=dim)'), PAIR,
+          "psum_scatter without tiled=True: JAX's ValueError names sizes, not the flag"),
+    Wrong("05", "gather_pair", "crash", "untiled scatter", pair(AG, 'return jax.lax.psum_scatter(g_full, "fsdp")'),
+          PAIR, "psum_scatter with neither scatter_dimension nor tiled"),
+    Wrong("05", "gather_pair", "argument", "dim ignored",
+          pair(AG, 'return jax.lax.psum_scatter(g_full, "fsdp", tiled=True)'), PAIR,
+          "psum_scatter without scatter_dimension: always dim 0"),
+    Wrong("05", "gather_pair", "argument", "dim ignored",
+          pair('return jax.lax.all_gather(w_shard, "fsdp", tiled=True)', RS), PAIR, "all_gather without axis: always dim 0"),
+]
+
+RIGHT = [
+    Right("05", "gather_pair", pair('return jax.lax.all_gather(w_shard, "fsdp", axis=dim, tiled=True)',
+                                    'return jax.lax.psum_scatter(g_full, fsdp_jax.AXIS, scatter_dimension=dim, tiled=True)'),
+          PAIR, "the axis name from the library's constant"),
+    Right("05", "gather_pair", pair(
+        'g = jax.lax.all_gather(w_shard, "fsdp")               # (N, *shard), untiled\n'
+        '    return jax.numpy.concatenate([g[i] for i in range(g.shape[0])], axis=dim)',
+        'return jax.lax.psum_scatter(g_full, "fsdp", scatter_dimension=dim, tiled=True)'),
+          PAIR, "an untiled gather, concatenated along dim by hand"),
 ]

@@ -1,6 +1,6 @@
 """Lab 06's classic mistakes (hybrid sharding): the HSDP mesh, the bytes per axis, choosing F, the FSDP × TP
 specs in JAX and the TP plan in PyTorch."""
-from wrong_answers import Wrong
+from wrong_answers import Right, Wrong
 
 IMPORTS = """\
 import math
@@ -395,4 +395,31 @@ def tp_spec(shape, fsdp, tensor):
 """ + RIGHT_PLAN + """\
     return (nodes * gpus_per_node // tp, tp), ("dp_shard", "tp"), plan.update({"mlp.fc": ColwiseParallel()}) or plan[0]
 """), PLAN, "indexes a dict by position", ("KeyError",)),
+]
+
+# -- round 3: a TP fallback that uses both mesh axes ------------------------------------------------------------
+WRONG += [
+    Wrong("06", "tp_spec", "argument", "fallback for F·T", IMPORTS + """
+def tp_spec(shape, fsdp, tensor):
+    if len(shape) == 2 and math.prod(shape) >= fsdp_jax.MIN_SIZE and shape[0] % fsdp == 0 and shape[1] % tensor == 0:
+        return P("fsdp", "tensor")
+    return fsdp_jax.fsdp_spec(shape, fsdp * tensor)  # "the mesh has F·T devices"
+""", SPEC, "the fallback's FSDP rule run for F·T devices"),
+    Wrong("06", "tp_spec", "argument", "fallback over both axes", IMPORTS + """
+def tp_spec(shape, fsdp, tensor):
+    if len(shape) == 2 and math.prod(shape) >= fsdp_jax.MIN_SIZE and shape[0] % fsdp == 0 and shape[1] % tensor == 0:
+        return P("fsdp", "tensor")
+    spec = fsdp_jax.fsdp_spec(shape, fsdp * tensor)    # FSDP over every device of the mesh
+    return P(*[("fsdp", "tensor") if a == "fsdp" else a for a in spec])
+""", SPEC, "the fallback cuts over both axes together"),
+]
+
+RIGHT = [
+    Right("06", "tp_spec", IMPORTS + """
+def tp_spec(shape, fsdp, tensor):
+    rows, cols = (shape + (None, None))[:2] if len(shape) == 2 else (None, None)
+    if rows is not None and rows * cols >= fsdp_jax.MIN_SIZE and not rows % fsdp and not cols % tensor:
+        return P("fsdp", "tensor")
+    return fsdp_jax.fsdp_spec(tuple(shape), fsdp)   # the fallback: FSDP over 'fsdp' alone
+""", SPEC, "unpacks rows and columns, tests with `not x % n`"),
 ]

@@ -1,6 +1,6 @@
 """Lab 08's classic mistakes (performance): a step time from the model, the compute-bound batch, a 70B plan under
 a memory budget, and the price of full activation checkpointing."""
-from wrong_answers import Wrong
+from wrong_answers import Right, Wrong
 
 IMPORTS = """\
 from course_lib.maths import planner, step_model
@@ -216,4 +216,33 @@ def full_ac_cost(model, cluster, batch, seq_len):
            for ac in ("selective", "full")}
     return 1 - tps["full"] / tps["selective"]
 """, COST, "tokens_per_s is not a Plan attribute", ("AttributeError",)),
+]
+
+# -- round 3: an argument read as a constant (every case but the probes is FSDP with full checkpointing) ---------
+WRONG += [
+    Wrong("08", "compute_bound_batch", "argument", "strategy ignored",
+          _batch("p.compute_bound").replace("planner.plan(model, cluster, strategy,", 'planner.plan(model, cluster, "fsdp",'),
+          BATCH, "hard-codes the course's strategy, FSDP"),
+    Wrong("08", "compute_bound_batch", "argument", "checkpointing ignored",
+          _batch("p.compute_bound").replace(", checkpointing=checkpointing)", ")"), BATCH,
+          "leaves checkpointing at planner.plan's default ('none')"),
+    Wrong("08", "compute_bound_batch", "argument", "checkpointing ignored",
+          _batch("p.compute_bound").replace("checkpointing=checkpointing", 'checkpointing="full"'), BATCH,
+          "hard-codes full checkpointing, as in most cases"),
+    Wrong("08", "compute_bound_batch", "argument", "seq_len ignored",
+          _batch("p.compute_bound").replace("seq_len=seq_len, ", ""), BATCH, "the model's own sequence length"),
+]
+
+RIGHT = [
+    Right("08", "compute_bound_batch", IMPORTS + """
+def compute_bound_batch(model, cluster, strategy, seq_len, checkpointing):
+    ok = lambda b: planner.plan(model, cluster, strategy, b, seq_len=seq_len, checkpointing=checkpointing).compute_bound
+    if not ok(4096):
+        return None
+    lo, hi = 1, 4096                                 # bisection: compute grows with b, traffic does not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+""", BATCH, "bisection instead of a linear search"),
 ]
