@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Debian packages the test suite needs, installed by the project itself (never `playwright install`,
 # which downloads a browser): chromium, driven by Playwright for the real-browser widget tests, and
-# iproute2 (`ip`, `tc`) for the two-"node" network-namespace runs of Lab 06 and the capstone.
+# iproute2 (`ip`, `tc`) for the two-"node" network-namespace runs of Lab 06 and the capstone, and
+# bubblewrap (`bwrap`), the sandbox `python -m course_lib grade` runs each submission's kernel in.
 # A fast no-op when both are present. Needs root (or sudo) and apt-get.
 set -euo pipefail
 
 missing=()
 [[ -x /usr/bin/chromium ]] || missing+=(chromium fonts-liberation)
 command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing+=(iproute2)
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 if [[ ${#missing[@]} -eq 0 ]]; then
-    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)), iproute2 present"
+    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)), iproute2 present, bubblewrap present"
     exit 0
 fi
 

@@ -163,18 +163,20 @@ _BUILTINS = ("print", "isinstance", "issubclass", "len", "sum", "abs", "min", "m
 
 def _fingerprint(module) -> dict[str, tuple]:
     """name -> identities of what a module defines: functions (with their code and defaults), classes (with their
-    attributes), submodules. Plain data (numbers, dicts, caches) may change as a lab runs and is not compared."""
+    attributes), submodules. Plain data (numbers, dicts, caches) may change as a lab runs and is not compared.
+    Only ``type()`` is asked of each value: ``isinstance`` would read ``__class__``, which some deprecated objects
+    (``torch.distributed.reduce_op``) answer with a warning."""
     out = {}
     items = list(vars(module).items())
     if module.__name__ == "builtins":
         items = [(k, v) for k, v in items if k in _BUILTINS]
     for name, value in items:
-        if isinstance(value, types.FunctionType):
+        kind = type(value)
+        if kind is types.FunctionType:
             out[name] = (id(value), id(value.__code__), id(value.__defaults__), id(value.__kwdefaults__))
-        elif isinstance(value, type) and _owner(value) == module.__name__:
-            out[name] = (id(value),) + tuple(sorted((k, id(v)) for k, v in vars(value).items()
-                                                    if callable(v) or isinstance(v, (classmethod, staticmethod, property))))
-        elif isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType)):
+        elif issubclass(kind, type) and _owner(value) == module.__name__:
+            out[name] = _fingerprint_class(value)
+        elif issubclass(kind, type) or kind in (types.ModuleType, types.BuiltinFunctionType):
             out[name] = (id(value),)
     return out
 
@@ -192,7 +194,8 @@ def _remember(module) -> None:
 
 
 def _fingerprint_class(cls) -> tuple:
-    return (id(cls),) + tuple(sorted((k, id(v)) for k, v in vars(cls).items() if callable(v)))
+    return (id(cls),) + tuple(sorted((k, id(v)) for k, v in vars(cls).items()
+                                     if type(v) in (types.FunctionType, classmethod, staticmethod, property)))
 
 
 class _Watch:

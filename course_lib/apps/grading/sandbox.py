@@ -219,16 +219,24 @@ def _capped_client(cls, limits: Limits, run: "BoxedRun"):
     class Capped(cls):
         def output(self, outs, msg, display_id, cell_index):
             if msg.get("msg_type") in ("stream", "display_data", "execute_result", "error", "update_display_data"):
-                size = len(json.dumps(msg.get("content", {}), ensure_ascii=False))
+                content = msg.get("content", {})
+                size = len(content.get("text", "")) + sum(len(str(v)) for v in (content.get("data") or {}).values()) \
+                    + sum(len(str(line)) for line in content.get("traceback", []))
                 used = self._used.get(cell_index, 0)
-                if used + size > limits.cell_output_bytes or self._total + size > limits.notebook_output_bytes:
+                room = min(limits.cell_output_bytes - used, limits.notebook_output_bytes - self._total)
+                if size > room:
+                    which = "cell" if limits.cell_output_bytes - used <= limits.notebook_output_bytes - self._total \
+                        else "notebook"
                     if cell_index not in run.truncated_cells:
                         run.truncated_cells.append(cell_index)
-                        which = ("cell" if used + size > limits.cell_output_bytes else "notebook")
+                        if msg["msg_type"] == "stream" and room > 0:      # keep what fits of a stream
+                            content["text"] = content["text"][:room]
+                            super().output(outs, msg, display_id, cell_index)
                         cap = limits.cell_output_bytes if which == "cell" else limits.notebook_output_bytes
                         outs.append(nbformat.v4.new_output("stream", name="stderr", text=(
-                            f"[the grader kept the first {cap / 2**20:g} MiB of this {which}'s output; "
+                            f"\n[the grader kept the first {cap / 2**20:g} MiB of this {which}'s output; "
                             f"the rest was dropped]\n")))
+                    self._used[cell_index], self._total = used + max(room, 0), self._total + max(room, 0)
                     return None
                 self._used[cell_index], self._total = used + size, self._total + size
             return super().output(outs, msg, display_id, cell_index)
