@@ -241,6 +241,9 @@ def check_ring_bytes(fn, name: str = "ring_bytes") -> bool:
             got, exp = fn(op, v, n), wire_bytes(op, v, n)
             if got is None or not isinstance(got, (int, float, np.floating, np.integer)):
                 raise AssertionError(f"{name}({op!r}, V={v}, N={n}) returned {got!r}; return a number of bytes")
+            if not math.isfinite(float(got)):
+                raise AssertionError(f"{name}({op!r}, V={v}, N={n}) returned {float(got)}; return a number of bytes "
+                                     "(a division by zero, or by N - 1 with N = 1?)")
             if not math.isclose(float(got), exp, rel_tol=1e-9, abs_tol=1e-9):
                 ignored = _ignored(fn) if n > 1 else None
                 raise AssertionError(f"{name}({op!r}, V={v}, N={n}) = {float(got):g}, expected {exp:g}\n"

@@ -213,7 +213,8 @@ def _bucket_mistake(runs, bad: int) -> str:
           mistakes={'empty bucket': 'an empty bucket', 'lost parameter': 'exactly one bucket',
                     'forward order': 'walk the parameters in reverse', 'dtype ignored': 'depend on the dtype',
                     'cap ignored': 'cap_bytes is never used', 'over the cap': 'a bucket exceeds cap_bytes',
-                    'exact fit split': "a bucket may hold exactly cap_bytes"})
+                    'exact fit split': "a bucket may hold exactly cap_bytes",
+                    'not a list of buckets': 'return a list of buckets'})
 def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy),
     on float32 and mixed-dtype parameters, an exact fit and a tensor bigger than the cap."""

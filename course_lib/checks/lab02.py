@@ -12,6 +12,8 @@ watches that tell a right value at the wrong cost) and the diagnoses of its clas
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,13 +74,17 @@ def _storage_cases() -> list[tuple[str, list, int]]:
           mistakes={'views counted twice': 'counts views twice', 'elements, not bytes': 'a count of elements',
                     'freed counted': 'a freed storage holds 0 bytes',
                     'storage counted twice': 'counted more than once',
-                    'padding missed': "a view's own size is not what was allocated"})
+                    'padding missed': "a view's own size is not what was allocated",
+                    'not a number': 'return a number of bytes'})
 def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
     """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
     from course_lib import checks
     with checks.check(name, tests='each distinct storage counted once at its allocated size: views, a padded flat buffer, None, bfloat16 and a freed storage') as c:
         for what, tensors, expected in _storage_cases():
             got = fn(tensors)
+            if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+                raise AssertionError(f"{name}({what}) returned {type(got).__name__} {got!r}; return a number of "
+                                     "bytes, an int (storage.nbytes() is one)")
             if got == expected:
                 continue
             naive = sum(t.numel() * t.element_size() for t in tensors if t is not None)

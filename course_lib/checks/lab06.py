@@ -439,7 +439,8 @@ def _fallback_mistake(got, shape, fsdp: int, tensor: int) -> str | None:
                     'MIN_SIZE excluded': 'at least MIN_SIZE',
                     'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide',
                     'fallback over both axes': 'the fallback cuts a dimension across the two axes',
-                    'fallback for F·T': 'the FSDP rule for the product of both mesh axes'})
+                    'fallback for F·T': 'the FSDP rule for the product of both mesh axes',
+                    'not a PartitionSpec': 'not a PartitionSpec'})
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
     import math
@@ -452,6 +453,9 @@ def check_tp_spec(fn, name: str = "tp_spec") -> bool:
         both = P("fsdp", "tensor")
         for shape, F, T in _TP_CASES:
             got, want = fn(shape, F, T), tp_jax.fsdp_tp_spec(shape, F, T)
+            if not isinstance(got, P):            # before ==: an array compared with a spec raises
+                raise AssertionError(f"{name}({shape}, fsdp={F}, tensor={T}) returned {type(got).__name__} {got!r}, "
+                                     "not a PartitionSpec: return P(...), e.g. P('fsdp', 'tensor') or P()")
             if got == want:
                 continue
             where = f"shape {shape} on a mesh (fsdp={F}, tensor={T}): got {got}, expected {want}"

@@ -107,7 +107,8 @@ def _layout_mistake(got, n_heads, d_ff, tp, nodes, gpn) -> str | None:
                     "TP over the inter-node link": "TP over the inter-node link",
                     "d_ff not divisible by tp": "every rank's slice must be the same size",
                     "missing entry": "the plan has no entry for", "mesh is not the cluster": "the product is the world size",
-                    "refuses a layout that works": "but this layout works", "ValueError expected": "expects ValueError"},
+                    "refuses a layout that works": "but this layout works", "ValueError expected": "expects ValueError",
+                    "not three things": "return the three things"},
           guards=("argument", "boundary"))
 def check_tp_plan(fn, name: str = "tp_plan") -> bool:
     with checks.check(name, tests=check_tp_plan.exercise.tests) as c:

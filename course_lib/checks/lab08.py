@@ -11,6 +11,7 @@ Longer than ~300 lines: four exercise checks, each with its fixed cases and the 
 from __future__ import annotations
 
 import math
+import numbers
 
 from course_lib import checks
 from course_lib.maths import planner, step_model
@@ -280,7 +281,7 @@ def reference_compute_bound_batch(model, cluster, strategy, seq_len, checkpointi
                     'fraction': 'round the crossing point up', 'too small': 'too small',
                     'not the smallest': 'not the smallest', 'none found': 'is compute-bound',
                     'strategy ignored': '`strategy` is ignored', 'checkpointing ignored': '`checkpointing` is ignored',
-                    'seq_len ignored': '`seq_len` is ignored'})
+                    'seq_len ignored': '`seq_len` is ignored', 'not a number': 'return a batch, a whole number'})
 def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
     """``fn(model, cluster, strategy, seq_len, checkpointing)`` returns the smallest compute-bound batch per GPU."""
     with checks.check(name, tests="six model x cluster cases: the smallest batch per GPU at which the planner says "
@@ -292,6 +293,9 @@ def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
             where = (f"{model.name} on {cluster.nodes}x{cluster.gpus_per_node} {cluster.gpu.name} "
                      f"({cluster.inter.name if cluster.nodes > 1 else cluster.intra.name}), {strategy}, seq {seq}, "
                      f"checkpointing {ac!r}")
+            if got is not None and (isinstance(got, bool) or not isinstance(got, numbers.Real)):
+                raise AssertionError(f"{where}: got {got!r}, expected {want} → returned a {type(got).__name__}: "
+                                     "return a batch, a whole number of sequences per GPU (an int), or None")
             if got == want:
                 if i < len(_EX2_CASES):
                     rows.append(f"{model.name} {cluster.nodes * cluster.gpus_per_node} GPUs: {want}")
@@ -299,7 +303,7 @@ def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
             msg = f"{where}: got {got!r}, expected {want}"
             at = planner.plan(model, cluster, strategy, want, seq_len=seq, checkpointing=ac) if want else None
             ignored = (_ex2_ignored(got, model, cluster, strategy, seq, ac)
-                       if isinstance(got, int) and not isinstance(got, bool) else None)
+                       if isinstance(got, numbers.Integral) and not isinstance(got, bool) else None)
             if at is not None and got == want + 1 and at.compute_s == at.comm_s:
                 msg += (f" → at batch {want} compute time equals the communication time exactly, and equal covers "
                         "it: 'covers' is >= (plan.compute_bound), not >")
@@ -307,7 +311,7 @@ def check_compute_bound_batch(fn, name: str = "compute_bound_batch") -> bool:
                 msg += " → batch 4096 is compute-bound: 'up to 4096' includes 4096 (search 1..4096, both ends)"
             elif got is None:
                 msg += f" → batch {want} is compute-bound (plan(...).compute_bound); search every batch up to {LIMIT}"
-            elif want is not None and isinstance(got, (int, float)) and not isinstance(got, bool):
+            elif want is not None and isinstance(got, numbers.Real) and not isinstance(got, bool):
                 if got == want - 1:
                     msg += " → off by one: that is the last batch that is NOT yet compute-bound"
                 elif got == want * seq:

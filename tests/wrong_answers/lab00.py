@@ -247,3 +247,10 @@ def jax_all_reduce(block):
     return jax.lax.all_gather(shard, "x").reshape(block.shape)       # untiled, then flattened back
 """, _JAR, "untiled collectives with the reshapes that make their shapes line up"),
 ]
+
+WRONG += [
+    Wrong("00", "ring_bytes", "value", "not a number", """\
+def ring_bytes(op, V, N):
+    return (2 if op == "all_reduce" else 1) * (N - 1) / N * V / (N - 1) * (N - 1) if N > 1 else float("nan")
+""", _RING, "nan for one rank (0/0 written out)"),
+]

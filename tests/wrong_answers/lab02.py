@@ -178,3 +178,11 @@ def gather(full, shard):
     all_gather_flat(shard, out=full.view(-1, 2))            # a 2-D output for a flat gather
 """ + _FREE, _GF, "a reshaped output", ("on rank",)),
 ]
+
+# -- round 3: the wrong type (a list compared with an int raised a raw TypeError in the check) -------------------
+WRONG += [
+    Wrong("02", "storage_bytes", "crash", "not a number", """\
+def storage_bytes(tensors):
+    return [t.untyped_storage().nbytes() for t in tensors if t is not None]   # one number per tensor, not a total
+""", _SB, "a list of per-tensor sizes, never summed"),
+]

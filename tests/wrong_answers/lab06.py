@@ -423,3 +423,16 @@ def tp_spec(shape, fsdp, tensor):
     return fsdp_jax.fsdp_spec(tuple(shape), fsdp)   # the fallback: FSDP over 'fsdp' alone
 """, SPEC, "unpacks rows and columns, tests with `not x % n`"),
 ]
+
+# -- round 3: the wrong type (compared with the spec, a numpy value raised a raw ValueError in the check) --------
+WRONG += [
+    Wrong("06", "tp_spec", "crash", "not a PartitionSpec", IMPORTS + """
+def tp_spec(shape, fsdp, tensor):
+    import numpy as np
+    return np.array(["fsdp", "tensor"]) if len(shape) == 2 else None   # the axis names, as an array
+""", SPEC, "the axis names as a numpy array"),
+    Wrong("06", "tp_plan", "crash", "not three things", IMPORTS + """
+def tp_plan(n_heads, d_ff, tp, nodes, gpus_per_node):
+    return {"mesh_shape": (nodes * gpus_per_node // tp, tp), "mesh_dim_names": ("dp_shard", "tp")}   # a dict
+""", PLAN, "a dict where the text asks for three things"),
+]

@@ -246,3 +246,14 @@ def compute_bound_batch(model, cluster, strategy, seq_len, checkpointing):
     return lo
 """, BATCH, "bisection instead of a linear search"),
 ]
+
+WRONG += [
+    Wrong("08", "compute_bound_batch", "crash", "not a number", IMPORTS + """
+def compute_bound_batch(model, cluster, strategy, seq_len, checkpointing):
+    import torch
+    for b in range(1, 4097):
+        if planner.plan(model, cluster, strategy, b, seq_len=seq_len, checkpointing=checkpointing).compute_bound:
+            return torch.tensor(b)                   # a tensor where a batch size is asked
+    return None
+""", BATCH, "a tensor holding the batch"),
+]
