@@ -18,8 +18,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                rank side), results, kernel_exit (a kernel that ran ranks shuts down at once)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
-  measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model)
-                 <- runtime, comm, maths
+  measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),
+               fingerprint (a parameter's exact bits in 8 bytes: drifted replicas), nonfinite (where a NaN/inf
+               was born: a forward hook on every module)                     <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
                dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
                checkpoint/ {torch (DCP), jax (Orbax), manager, resumable, safetensors, names}: write then
