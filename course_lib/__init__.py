@@ -41,9 +41,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                source notebook)                                                          <- runtime
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
-               and a quiet exit), torchrun_demo, grading/ (grade a class's labs: intake, sandbox
-               (bubblewrap, limits, every process ended), guard (verdicts recorded in the kernel), verdicts,
-               report), site (the course as a static website)                                         <- everything
+               and a quiet exit), torchrun_demo, site (the course as a static website),
+               grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)                                         <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
 ``train``, ``train_jax``, ``torchrun``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``

@@ -24,6 +24,9 @@ the record echoes the nonce. A submission that disabled the guard sends no such 
 What this does not do: the notebook runs in this process, so code written to defeat this module in particular
 (reading its state, writing its own records to the channel) can still forge a record; README "For instructors"
 says so. The sandbox (:mod:`.sandbox`) is what no notebook can get out of; this is what makes cheating visible.
+
+Longer than ~300 lines: the hook, the fingerprints and the observer share one state and one idea of "the
+notebook's own code"; split, each part would import the others' private names.
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import shutil
 import signal
@@ -41,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.apps.grading import limits as limits_script
+from course_lib.apps.grading.kernel import TAG_VAR, capped_client, GuardChannel, kernel_environment, kernel_manager_class
 
 __all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "bwrap_problem", "bwrap_args",
            "TAG_VAR", "TIMEOUT_ENAME"]
 
-TAG_VAR = "COURSE_LIB_GRADE_TAG"
 TIMEOUT_ENAME = "CellTimeout"
 LIMITS_SCRIPT = Path(limits_script.__file__)
 COURSE_ROOT = Path(__file__).resolve().parents[3]          # the checkout holding course_lib
@@ -135,158 +134,6 @@ def bwrap_problem() -> str | None:
         shutil.rmtree(probe, ignore_errors=True)
 
 
-#: How long one wait on a kernel channel lasts before it looks again (see :func:`_client_class`).
-POLL_SLICE_S = 1.0
-
-
-def _client_class():
-    """An async kernel client whose shell and IOPub waits are cut into :data:`POLL_SLICE_S` slices.
-
-    Why: a single long wait can miss a message that has already arrived (the socket's wake-up is lost when
-    widget comm traffic crosses the channel), and then nbclient sits out the whole cell limit beside an idle
-    kernel -- seen here on Lab 02's ``interact`` cell in 2 of 30 runs, an open nbclient issue
-    (jupyter/nbclient#312). Looking again every second finds the message; the limits are unchanged."""
-    from queue import Empty
-
-    from jupyter_client.asynchronous import AsyncKernelClient
-    from jupyter_client.channels import AsyncZMQSocketChannel
-    from traitlets import Type
-
-    class SlicedChannel(AsyncZMQSocketChannel):
-        async def get_msg(self, timeout: float | None = None):
-            end = None if timeout is None else time.monotonic() + timeout
-            while True:
-                left = POLL_SLICE_S if end is None else min(POLL_SLICE_S, max(0.0, end - time.monotonic()))
-                try:
-                    return await super().get_msg(timeout=left)
-                except Empty:
-                    if end is not None and time.monotonic() >= end:
-                        raise
-
-    class SlicedClient(AsyncKernelClient):
-        shell_channel_class = Type(SlicedChannel)
-        iopub_channel_class = Type(SlicedChannel)
-    return SlicedClient
-
-
-def _kernel_manager_class(limits: Limits, socket_dir: Path, kernel_cmd: list[str]):
-    import ipykernel.kernelspec
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-    client = _client_class()
-
-    class BoxedSpecs(KernelSpecManager):
-        def get_kernel_spec(self, kernel_name):
-            spec = ipykernel.kernelspec.get_kernel_dict()
-            spec["argv"] = kernel_cmd + ["-f", "{connection_file}"]
-            spec["interrupt_mode"] = "message"      # a signal to the sandbox would not reach the kernel inside
-            return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES, **spec)
-
-    class BoxedKernelManager(AsyncKernelManager):
-        def __init__(self, **kw):
-            kw.setdefault("kernel_spec_manager", BoxedSpecs())
-            kw.setdefault("transport", "ipc")                  # Unix sockets in the scratch folder: they cross
-            kw.setdefault("ip", str(socket_dir / "kernel"))    # the network namespace, which TCP would not
-            kw.setdefault("connection_file", str(socket_dir / "kernel.json"))
-            kw.setdefault("client_factory", client)
-            super().__init__(**kw)
-    return BoxedKernelManager
-
-
-#: Variables of the grader's environment a kernel may see (everything else, the class folder's path in PWD
-#: included, stays outside): the course's own switches, locale and the thread count.
-_PASSED = ("LANG", "LC_ALL", "OMP_NUM_THREADS", "JAX_PLATFORMS")
-
-
-def _environment(scratch: Path, tag: str, sandboxed: bool) -> dict[str, str]:
-    home = scratch / ".home"
-    for sub in ("tmp", "cache", "config", "mpl", "ipython"):
-        (home / sub).mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k in _PASSED or k.startswith("COURSE_LIB_")}
-    env.update({TAG_VAR: tag, "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
-                "TMPDIR": "/tmp" if sandboxed else str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache"),
-                "XDG_CONFIG_HOME": str(home / "config"), "MPLCONFIGDIR": str(home / "mpl"),
-                "IPYTHONDIR": str(home / "ipython"), "COURSE_LIB_STRICT_CHECKS": "0",   # lab mode: ❌, never raise
-                "PYTHONPATH": str(COURSE_ROOT), "PYTHONDONTWRITEBYTECODE": "1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    return env
-
-
-def _capped_client(cls, limits: Limits, run: "BoxedRun"):
-    """``cls`` (nbclient's NotebookClient) keeping at most the limits' bytes of output per cell and per notebook."""
-    import nbformat
-
-    class Capped(cls):
-        def output(self, outs, msg, display_id, cell_index):
-            if msg.get("msg_type") in ("stream", "display_data", "execute_result", "error", "update_display_data"):
-                content = msg.get("content", {})
-                size = len(content.get("text", "")) + sum(len(str(v)) for v in (content.get("data") or {}).values()) \
-                    + sum(len(str(line)) for line in content.get("traceback", []))
-                used = self._used.get(cell_index, 0)
-                room = min(limits.cell_output_bytes - used, limits.notebook_output_bytes - self._total)
-                if size > room:
-                    which = "cell" if limits.cell_output_bytes - used <= limits.notebook_output_bytes - self._total \
-                        else "notebook"
-                    if cell_index not in run.truncated_cells:
-                        run.truncated_cells.append(cell_index)
-                        if msg["msg_type"] == "stream" and room > 0:      # keep what fits of a stream
-                            content["text"] = content["text"][:room]
-                            super().output(outs, msg, display_id, cell_index)
-                        cap = limits.cell_output_bytes if which == "cell" else limits.notebook_output_bytes
-                        outs.append(nbformat.v4.new_output("stream", name="stderr", text=(
-                            f"\n[the grader kept the first {cap / 2**20:g} MiB of this {which}'s output; "
-                            f"the rest was dropped]\n")))
-                    self._used[cell_index], self._total = used + max(room, 0), self._total + max(room, 0)
-                    return None
-                self._used[cell_index], self._total = used + size, self._total + size
-            return super().output(outs, msg, display_id, cell_index)
-    Capped._used, Capped._total = {}, 0
-    return Capped
-
-
-class _Channel:
-    """The guard's pipe, read here into ``run.records`` as the kernel writes it (a FIFO whose path the guard
-    removes once it is open; the grader keeps a writer open so the pipe never reads as ended while it waits)."""
-
-    def __init__(self, path: Path, run: "BoxedRun"):
-        os.mkfifo(path, 0o600)                  # the box's uid nobody is the grader's own user outside it
-        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        self._keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        self.run, self._buffer = run, b""
-        asyncio.get_running_loop().add_reader(self.fd, self._read)
-
-    def _read(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
-            return
-        self._take(data)
-
-    def _take(self, data: bytes) -> None:
-        self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = {"kind": "garbled", "text": line[:200].decode(errors="replace")}
-            if isinstance(rec, dict) and len(self.run.records) < 10_000:
-                self.run.records.append(rec)
-
-    def close(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.fd)
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            self._take(data)
-        os.close(self._keep)
-        os.close(self.fd)
-
-
 def tagged_processes(tag: str, root_pid: int | None = None) -> list:
     """psutil.Process for every live process carrying ``tag`` in its environment or under ``root_pid``."""
     import psutil
@@ -360,7 +207,7 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
 
     sockets = scratch / ".sockets"
     sockets.mkdir(exist_ok=True)
-    channel = _Channel(sockets / "guard", out)
+    channel = GuardChannel(sockets / "guard", out)
     cgroup = f"course-grade-{tag}"
     cmd = [sys.executable, str(LIMITS_SCRIPT), "--as-bytes", str(limits.memory_bytes), "--pids", str(limits.nproc),
            "--cgroup", cgroup, "--"]
@@ -369,9 +216,9 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
     # -c, not -m: the guard must be the module `course_lib.apps.grading.guard` that finish() is later asked of, not __main__
     cmd += [sys.executable, "-c", "import sys; from course_lib.apps.grading.guard import main; main(sys.argv[1:])",
             "--lab", lab, "--channel", str(sockets / "guard")]
-    client_cls = _capped_client(NotebookClient, limits, out)
+    client_cls = capped_client(NotebookClient, limits, out)
     client = without_output_widget_mirror(client_cls(
-        nb, kernel_manager_class=_kernel_manager_class(limits, sockets, cmd), kernel_name="python3",
+        nb, kernel_manager_class=kernel_manager_class(limits, sockets, cmd), kernel_name="python3",
         timeout_func=cell_timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
         error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "interrupted at the cell limit", "traceback": []},
         shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}}))
@@ -380,7 +227,7 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
     log = open(sockets / "kernel.log", "wb")          # the kernel's own stdout/stderr (its banner, a crash)
 
     async def execute():
-        async with client.async_setup_kernel(env=_environment(scratch, tag, limits.sandbox), cwd=str(scratch),
+        async with client.async_setup_kernel(env=kernel_environment(scratch, tag, limits.sandbox), cwd=str(scratch),
                                              stdout=log, stderr=log):
             kernel_pid[0] = getattr(getattr(client.km, "provisioner", None), "pid", None)
             try:
