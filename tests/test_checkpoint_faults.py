@@ -132,10 +132,10 @@ def test_a_read_only_or_full_folder_fails_at_start_in_one_named_error(tmp_path):
     with tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
         with pytest.raises(cm.CheckpointWriteError, match=rf"cannot write checkpoints to {ro}/ck: OSError: "
                                                           r"Read-only file system. Fix: point"):
-            _train(ro / "ck")
+            _train(ro / "ck", probe=True)
     with tmpfs(tmp_path / "tiny", "16k") as tiny:
         with pytest.raises(cm.CheckpointWriteError, match=r"No space left on device"):
-            _train(tiny)
+            _train(tiny, probe=True)
         assert os.listdir(tiny) == []                          # the probe left nothing behind
 
 

@@ -15,24 +15,29 @@ Plain ``torchrun`` works too; what this adds, on top of ``torch.distributed.run.
   usual (the training script saves a checkpoint and exits); then this process exits 128 + the signal (143
   for SIGTERM), the shell's convention for "stopped by a signal", without torchrun's ``SignalException``
   traceback.
+* One trainer per checkpoint folder: on one node, this process takes ``--ckpt-dir``'s lock before any worker
+  starts (:mod:`course_lib.strategies.checkpoint.owner`; a second trainer is refused in one line naming this one,
+  exit status 2) and holds it until the last worker is gone; on several nodes rank 0 takes it.
 * SIGKILL of this process (or the OOM killer) cannot be forwarded: each ``course_lib.train`` worker asks the
   kernel to SIGKILL it when its agent dies (``PR_SET_PDEATHSIG``), so no rank is left training alone; the save
   it was in stays a ``.partial`` directory, which ``--resume`` names and passes over.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 _TRAIN = ("course_lib.train", "course_lib.apps.train")
 
 
-def _check_train_flags(config, cmd_args) -> int:
+def _check_train_flags(config, cmd_args) -> tuple[int, str | None]:
+    """(exit status, 0 when the flags are good; the checkpoint folder they name)."""
     from course_lib.apps import train
     from course_lib.apps.train_config import ConfigError
     try:
         args = train.parser(0).parse_args(cmd_args)   # argparse's errors: one line, then SystemExit(2)
     except SystemExit as e:
-        return int(e.code or 0) or 2
+        return int(e.code or 0) or 2, None
     fixed = config.min_nodes == config.max_nodes
     world = config.min_nodes * config.nproc_per_node
     try:
@@ -40,14 +45,13 @@ def _check_train_flags(config, cmd_args) -> int:
             train.preflight(args, world, local_ranks=config.nproc_per_node)
         else:   # elastic node count: the world size is known only at rendezvous; the workers check it
             from course_lib.apps.train_config import check_paths, check_ranks
-            from course_lib.launch.pool import max_world_size
             from course_lib.runtime.devices import gpu_count
-            check_ranks(config.nproc_per_node, max_world_size(), gpu_count())
+            check_ranks(config.nproc_per_node, None, gpu_count())
             check_paths(train.from_args(args, config.nproc_per_node))
     except ConfigError as e:
         print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+        return 2, None
+    return 0, args.ckpt_dir
 
 
 def main(argv=None) -> int:
@@ -56,11 +60,25 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import config_from_args, get_args_parser, run
+    from course_lib.apps.train import LOCK_ENV
     args = get_args_parser().parse_args(argv)
+    lock = None
     if args.module and args.training_script in _TRAIN:
         config, _cmd, _cmd_args = config_from_args(args)
-        if status := _check_train_flags(config, list(args.training_script_args)):
+        status, ckpt_dir = _check_train_flags(config, list(args.training_script_args))
+        if status:
             return status
+        if ckpt_dir and config.max_nodes == 1:   # several nodes: rank 0 takes it
+            from course_lib.strategies.checkpoint import owner
+            try:
+                lock = owner.take(ckpt_dir, command="python -m course_lib.torchrun -m course_lib.train")
+            except owner.FolderBusy as e:
+                print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
+                return 2
+            if lock.stale:
+                print(f"course_lib.train: {ckpt_dir} was held by {owner.describe(lock.stale)}, which "
+                      "is no longer running: taken over", file=sys.stderr, flush=True)
+            os.environ[LOCK_ENV] = lock.run_id   # the workers' environment: rank 0 knows the folder is held
     try:
         run(args)
         return 0
@@ -75,6 +93,10 @@ def main(argv=None) -> int:
         print(f"course_lib.torchrun: stopped by {e.sigval.name}; the workers were told first (a training script "
               "saves a checkpoint on SIGTERM)", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        if lock:
+            lock.release()
+            os.environ.pop(LOCK_ENV, None)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,11 @@ import sys
 import time
 
 from course_lib.runtime.imports import import_quickly
-from course_lib.apps.train_config import (RUN_RECORD, ConfigError, add_arguments, check_paths, check_ranks, check_resume,
-                                          from_args, quiet_parser_errors, wait_for_rank_0,
+from course_lib.apps.train_config import (ConfigError, add_arguments, check_folder, check_paths, check_ranks,
+                                          check_resume, from_args, quiet_parser_errors, wait_for_rank_0,
                                           write_run_record)
+
+LOCK_ENV = "COURSE_LIB_CKPT_LOCK"   #: set by ``python -m course_lib.torchrun`` when it holds the folder: its run id
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
 
@@ -165,42 +167,68 @@ def _peak_memory(device) -> int:
 
 
 def check_checkpoint_fits(cfg) -> None:
-    """A resume folder whose checkpoints have no ``run.json`` (copied by hand, an older course): compare the
-    newest step's tensor shapes with this model's, built on the meta device (no memory, no process group)."""
+    """The newest readable step's tensor shapes (DCP's own ``.metadata``) against this model's, built on the meta
+    device (no memory, no process group), before anything is loaded: ``run.json`` may be missing (copied by
+    hand, an older course) or say one thing while the checkpoint holds another. A step whose ``.metadata`` is
+    unreadable is passed over here, as the manager passes over it at load (naming it)."""
     from pathlib import Path
     root = Path(cfg.ckpt_dir)
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and (p / ".metadata").is_file())
-    if not steps or (root / RUN_RECORD).is_file():
-        return
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()
+                    and (p / ".metadata").is_file()), reverse=True)
     import torch
     from course_lib.models import TorchGPT
     from course_lib.strategies.checkpoint.torch import read_metadata
+    for step in steps:
+        try:
+            meta = read_metadata(step).state_dict_metadata
+        except Exception:  # noqa: BLE001 - truncated or foreign .metadata: the manager names it and loads an older one
+            continue
+        break
+    else:
+        return
     with torch.device("meta"):
         want = {f"app.model.{k}": tuple(v.shape) for k, v in TorchGPT(cfg.model_config()).state_dict().items()}
-    saved = {k: tuple(md.size) for k, md in read_metadata(steps[-1]).state_dict_metadata.items()
-             if k.startswith("app.model.") and hasattr(md, "size")}
+    saved = {k: tuple(md.size) for k, md in meta.items() if k.startswith("app.model.") and hasattr(md, "size")}
     diff = [f"{k} saved {list(saved.get(k, ())) or 'absent'} vs now {list(v)}" for k, v in want.items()
             if saved.get(k) != v] + [f"{k} saved {list(v)} vs now absent" for k, v in saved.items() if k not in want]
     if diff:
-        raise ConfigError(f"the checkpoint {steps[-1]} is of another model (and {cfg.ckpt_dir} has no {RUN_RECORD} to "
-                          f"say which): {len(diff)} tensor(s) differ, e.g. {'; '.join(diff[:3])}; resume with the "
+        raise ConfigError(f"the checkpoint {step} is of another model (its .metadata, read before loading "
+                          f"anything): {len(diff)} tensor(s) differ, e.g. {'; '.join(diff[:3])}; resume with the "
                           "model flags of the run that wrote it, or point --ckpt-dir at a new directory to start afresh")
 
 
 def preflight(args, world: int, local_ranks: int | None = None):
     """Every check that needs no process group, in every worker alike (so all exit 2 together, rank 0 says
-    why in one line) or once in ``python -m course_lib.torchrun`` before any worker starts: flags, ranks on
-    this machine, folders, the checkpoint to resume. Returns the config; raises :class:`ConfigError`."""
-    from course_lib.launch.pool import max_world_size
+    why in one line) or once in ``python -m course_lib.torchrun`` before any worker starts: ranks on this
+    machine (before any batch arithmetic), flags, folders, the checkpoint folder's kind and run record, the
+    checkpoint to resume. Returns the config; raises :class:`ConfigError`."""
     from course_lib.runtime.devices import gpu_count
-    cfg = from_args(args, world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_ranks is None else local_ranks
-    check_ranks(local, max_world_size(), gpu_count())
+    check_ranks(local, None, gpu_count())
+    cfg = from_args(args, world)
     check_paths(cfg)
+    check_folder(cfg, "torch")
     if cfg.resume:
         check_resume(cfg)
         check_checkpoint_fits(cfg)
     return cfg
+
+
+def take_folder(cfg, rank: int):
+    """Rank 0 (or ``python -m course_lib.torchrun``, before any rank starts) takes the checkpoint folder for
+    this run: :func:`~course_lib.strategies.checkpoint.owner.take`. Returns the lock (None on other ranks, or
+    when the agent holds it: then its run id is in ``COURSE_LIB_CKPT_LOCK``); raises ``FolderBusy``."""
+    from course_lib.strategies.checkpoint import owner
+    if not cfg.ckpt_dir or rank != 0:
+        return None
+    held = os.environ.get(LOCK_ENV)
+    if held and (owner.holder(cfg.ckpt_dir) or {}).get("run_id") == held:
+        return None
+    lock = owner.take(cfg.ckpt_dir, command="python -m course_lib.train", run_id=held or None)
+    if lock.stale:
+        print(f"course_lib.train: {cfg.ckpt_dir} was held by {owner.describe(lock.stale)}, which is no longer "
+              "running: taken over", file=sys.stderr, flush=True)
+    return lock
 
 
 def parser(rank: int = 0) -> argparse.ArgumentParser:
@@ -212,9 +240,12 @@ def main(argv=None) -> int:
     _die_with_the_agent()
     world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     args = parser(rank_env).parse_args(argv)
+    from course_lib.strategies.checkpoint.owner import FolderBusy   # imports no torch
+    lock = None
     try:   # before any process group, model or data: every rank fails alike, rank 0 says why
         cfg = preflight(args, world_env)
-    except ConfigError as e:
+        lock = take_folder(cfg, rank_env)
+    except (ConfigError, FolderBusy) as e:
         if rank_env == 0:
             print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
         wait_for_rank_0(rank_env)
@@ -223,32 +254,38 @@ def main(argv=None) -> int:
     from course_lib.launch.pool import PRELOAD
     import_quickly(PRELOAD["full"])   # what a rank needs, the collector paused: ~0.5 s less start-up per rank
     try:
-        return _train(cfg)
-    except CheckpointWriteError as e:   # the start-up probe or a failed save: one line, not N tracebacks
+        return _train(cfg, lock.run_id if lock else os.environ.get(LOCK_ENV))
+    except (CheckpointWriteError, ConfigError) as e:   # the probe, a failed save, a resume refused: one line
         if rank_env == 0:
             print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-        return 1
+        return 1 if isinstance(e, CheckpointWriteError) else 2
+    finally:
+        if lock:
+            lock.release()
 
 
-def _train(cfg) -> int:
+def _train(cfg, run_id: str | None = None) -> int:
     import torch
     import torch.distributed as dist
     from tqdm.auto import tqdm
     from course_lib.comm import torch_ledger
     from course_lib.models import loss_fn
     from course_lib.strategies.checkpoint.torch import AppState
-    from course_lib.strategies.checkpoint.manager import Checkpointer
+    from course_lib.strategies.checkpoint.manager import Checkpointer, CheckpointCorrupt, CheckpointMismatch
 
     rank, world, device = _init_process_group()
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     model, opt, sched, data = build(cfg, device)
-    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, on_save_error="warn" if cfg.save_errors == "continue" else "raise") \
-        if cfg.ckpt_dir else None
-    start = _resume(ckpt, model, opt, sched, data, rank, world) if (ckpt and cfg.resume) else 0
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, probe=True, run_id=run_id,
+                        on_save_error="raise" if cfg.save_errors == "stop" else "warn") if cfg.ckpt_dir else None
+    try:
+        start = _resume(ckpt, model, opt, sched, data, rank, world) if (ckpt and cfg.resume) else 0
+    except (CheckpointCorrupt, CheckpointMismatch, FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {cfg.ckpt_dir}: {str(e).splitlines()[0]}") from None
     if ckpt and cfg.resume and rank == 0:
         for line in ckpt.ignored():   # damaged or unfinished steps that were passed over, and why
             print(f"course_lib.train: {line}", file=sys.stderr, flush=True)
@@ -256,7 +293,7 @@ def _train(cfg) -> int:
             print(f"course_lib.train: no checkpoint in {cfg.ckpt_dir} yet: starting at step 0", file=sys.stderr,
                   flush=True)
     if ckpt and rank == 0:
-        write_run_record(cfg)
+        write_run_record(cfg, "torch")
     log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None
     tokens, fpt, peak = cfg.batch * cfg.seq_len, flops_per_token(cfg.model_config()), peak_flops(device)
     if device.type == "cuda":

@@ -17,11 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TrainConfig", "ConfigError", "add_arguments", "from_args", "check_resume", "check_paths", "check_ranks",
-           "write_run_record", "RUN_RECORD", "MODEL_FIELDS", "quiet_parser_errors", "wait_for_rank_0"]
+           "check_folder", "rank_limit", "write_run_record", "RUN_RECORD", "MODEL_FIELDS", "quiet_parser_errors",
+           "wait_for_rank_0", "FRAMEWORKS"]
 
 RUN_RECORD = "run.json"   #: in the checkpoint directory: the configuration that wrote the checkpoints
 MODEL_FIELDS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")  #: must match to resume
 DATA_FIELDS = ("batch", "data_seed")   #: must match too: the data position counts global batches of this size
+#: who writes which checkpoints, and how a person resumes them (named when the other script is pointed at them)
+FRAMEWORKS = {
+    "torch": ("DCP", "course_lib.train",
+              "python -m course_lib.torchrun --standalone --nproc-per-node N -m course_lib.train --ckpt-dir {d} --resume"),
+    "jax": ("Orbax", "course_lib.train_jax", "python -m course_lib.train_jax --ckpt-dir {d} --resume"),
+}
+RANKS_PER_CORE = 4          #: CPU ranks beyond this per core only wait for each other (gloo busy-polls)
+RANK_BYTES = 400 << 20      #: a CPU rank of the capstone: torch, gloo, the model, its share of the batch (~300 MB RSS)
 
 
 class ConfigError(ValueError):
@@ -54,7 +63,7 @@ class TrainConfig:
     ckpt_every: int = 0           #: save every K steps (0: only at SIGTERM and at the end)
     keep: int = 2                 #: keep the newest K complete checkpoints
     resume: bool = False          #: start from the newest complete checkpoint in ckpt_dir
-    save_errors: str = "stop"     #: when a checkpoint save fails (a full disk): "stop" the run, or "continue" training
+    save_errors: str = "stop"     #: when a checkpoint save fails (a full disk): "stop" the run, or "continue" ("warn") training
     jsonl: str | None = None      #: JSON-lines log (rank 0 / process 0); not --log: torchrun would take it
     throttle: float = 0.0         #: seconds of sleep per step (tests: leave time to kill a job mid-run)
 
@@ -85,8 +94,8 @@ class TrainConfig:
         if self.d_model % self.n_heads:
             errors.append(f"d_model({self.d_model}) % n_heads({self.n_heads}) = {self.d_model % self.n_heads}: heads "
                           f"split d_model evenly; pick --n-heads from the divisors of {self.d_model}")
-        if self.save_errors not in ("stop", "continue"):
-            errors.append(f"--save-errors {self.save_errors!r} must be 'stop' or 'continue'")
+        if self.save_errors not in ("stop", "continue", "warn"):
+            errors.append(f"--save-errors {self.save_errors!r} must be 'stop' or 'continue' (or its alias 'warn')")
         if (self.resume or self.ckpt_every) and not self.ckpt_dir:
             errors.append(f"resume={self.resume}, ckpt_every={self.ckpt_every} but no --ckpt-dir: say where "
                           "checkpoints live")
@@ -140,15 +149,40 @@ def check_paths(cfg) -> None:
         raise ConfigError("bad configuration, nothing was started: " + "; ".join(errors))
 
 
-def check_ranks(local_ranks: int, limit: int, gpus: int) -> None:
-    """More ranks on this machine than it can run (``--nproc-per-node``): :class:`ConfigError`, one line."""
+def rank_limit() -> tuple[int, str]:
+    """How many CPU ranks this machine holds, and why: ``RANKS_PER_CORE`` per core this process may run on, and
+    no more than the available memory holds at ``RANK_BYTES`` each; ``COURSE_LIB_MAX_WORLD_SIZE`` overrides both
+    (for people who know what they do)."""
+    import os
+    override = os.environ.get("COURSE_LIB_MAX_WORLD_SIZE")
+    if override:
+        return int(override), "COURSE_LIB_MAX_WORLD_SIZE"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        avail = next(int(line.split()[1]) << 10 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    by_cores, by_memory = RANKS_PER_CORE * cores, max(1, avail // RANK_BYTES)
+    cores_text = f"{RANKS_PER_CORE} per CPU core x {cores} core(s): more only wait for each other"
+    memory_text = f"~{RANK_BYTES >> 20} MB per rank of {avail / 2**30:.1f} GiB available memory"
+    if by_memory < by_cores:
+        return by_memory, f"memory: {memory_text}; the cores would allow {by_cores}"
+    return by_cores, f"cores: {cores_text}; memory would allow {by_memory}"
+
+
+def check_ranks(local_ranks: int, limit: int | None = None, gpus: int = 0) -> None:
+    """More ranks on this machine than it can hold (``--nproc-per-node``): :class:`ConfigError`, one line naming
+    the limit and its cause. ``limit``: default :func:`rank_limit`. Checked before any batch arithmetic."""
     if gpus and local_ranks > gpus:
         raise ConfigError(f"bad configuration, nothing was started: --nproc-per-node {local_ranks} but this machine "
                           f"has {gpus} GPU(s): one rank per GPU; use --nproc-per-node {gpus}")
-    if not gpus and local_ranks > limit:
+    if gpus:
+        return
+    limit, why = rank_limit() if limit is None else (limit, "the caller's limit")
+    if local_ranks > limit:
         raise ConfigError(f"bad configuration, nothing was started: --nproc-per-node {local_ranks} is more ranks than "
-                          f"this machine can run ({limit}: each rank is a process of ~150 MB that gloo connects to "
-                          f"every other); use --nproc-per-node {min(limit, 8)} or fewer, or more nodes")
+                          f"this machine can run ({limit}: {why}); use --nproc-per-node {limit} or fewer, or more "
+                          f"nodes (COURSE_LIB_MAX_WORLD_SIZE={local_ranks} overrides this check)")
 
 
 def _field_help() -> dict[str, str]:
@@ -204,15 +238,83 @@ def from_args(args: argparse.Namespace, world_size: int) -> TrainConfig:
     return TrainConfig(world_size=world_size, **{k: getattr(args, k) for k in names if hasattr(args, k)})
 
 
-def check_resume(cfg: TrainConfig) -> dict | None:
-    """The recorded configuration of ``cfg.ckpt_dir`` (None if there is none); raises :class:`ConfigError`
-    naming every model or data field that differs -- before the model is built, on every rank alike."""
-    if not cfg.ckpt_dir:
-        return None
-    path = Path(cfg.ckpt_dir) / RUN_RECORD
+def read_run_record(folder) -> dict | None:
+    """``<folder>/run.json`` (None if absent); :class:`ConfigError` in one line when it is damaged or not one."""
+    path = Path(folder) / RUN_RECORD
     if not path.is_file():
         return None
-    old = json.loads(path.read_text())
+    fix = (f"restore it, or delete it to resume anyway (the checkpoint's own shapes are still compared with the "
+           "model's)")
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:   # JSONDecodeError, UnicodeDecodeError: truncated or overwritten
+        raise ConfigError(f"{path} is damaged ({type(e).__name__}: {str(e).splitlines()[0]}): it records the "
+                          f"configuration that wrote the checkpoints; {fix}") from None
+    if not isinstance(old, dict) or not all(isinstance(old.get(k), int) for k in MODEL_FIELDS):
+        raise ConfigError(f"{path} is not a course_lib run record (no {', '.join(MODEL_FIELDS)}): it records the "
+                          f"configuration that wrote the checkpoints; {fix}")
+    return old
+
+
+def folder_framework(folder) -> tuple[str | None, list[int]]:
+    """Which script's checkpoints ``folder`` holds -- ``"torch"`` (DCP: ``step_00000012``), ``"jax"`` (Orbax:
+    ``12``, ``12.orbax-checkpoint-tmp*``), ``"both"``, or None -- and their committed steps."""
+    root = Path(folder)
+    if not root.is_dir():
+        return None, []
+    torch_steps, jax_steps, torch_any, jax_any = [], [], False, False
+    for p in root.iterdir():
+        if not p.is_dir():
+            continue
+        name = p.name
+        if name.startswith("step_"):
+            torch_any = True
+            if name[5:].isdigit():
+                torch_steps.append(int(name[5:]))
+        elif name.isdigit() or ".orbax-checkpoint-tmp" in name:
+            jax_any = True
+            if name.isdigit():
+                jax_steps.append(int(name))
+    kind = "both" if torch_any and jax_any else "torch" if torch_any else "jax" if jax_any else None
+    return kind, sorted(torch_steps + jax_steps)
+
+
+def check_folder(cfg, framework: str) -> None:
+    """The checkpoint folder fits this script (``framework``: ``"torch"`` or ``"jax"``) and this start, before any
+    rank starts: a folder of the other script's checkpoints is named as such, with the command that resumes it;
+    a damaged ``run.json`` is one line; a start without ``--resume`` never overwrites or prunes checkpoints that
+    are already there. ``cfg``: a :class:`TrainConfig` or the parsed flags."""
+    if not cfg.ckpt_dir:
+        return
+    d = cfg.ckpt_dir
+    kind, steps = folder_framework(d)
+    record = read_run_record(d)
+    recorded = (record or {}).get("framework")
+    other = next((f for f in FRAMEWORKS if f != framework), None)
+    if kind == "both":
+        raise ConfigError(f"--ckpt-dir {d} holds both DCP (step_*) and Orbax (numbered) checkpoint folders: two "
+                          "scripts wrote into it; move one set elsewhere, then resume each with its own script")
+    if kind == other or (kind is None and recorded == other):
+        fmt, script, resume = FRAMEWORKS[other]
+        listed = f" (steps {', '.join(map(str, steps))})" if steps else ""
+        raise ConfigError(f"--ckpt-dir {d} holds {fmt} checkpoints written by {script}{listed}, not "
+                          f"{FRAMEWORKS[framework][0]} checkpoints of {FRAMEWORKS[framework][1]}: resume it with "
+                          f"`{resume.format(d=d)}` (same model flags), or point --ckpt-dir at a new folder")
+    if steps and not cfg.resume:
+        raise ConfigError(f"--ckpt-dir {d} already holds checkpoints (steps {', '.join(map(str, steps))}) and this run "
+                          "was not asked to resume: it would overwrite and prune them; continue them with --resume, "
+                          "or point --ckpt-dir at a new folder")
+
+
+def check_resume(cfg: TrainConfig) -> dict | None:
+    """The recorded configuration of ``cfg.ckpt_dir`` (None if there is none); raises :class:`ConfigError`
+    naming every model or data field that differs -- before the model is built, on every rank alike -- or
+    saying that ``run.json`` is damaged."""
+    if not cfg.ckpt_dir:
+        return None
+    old = read_run_record(cfg.ckpt_dir)
+    if old is None:
+        return None
     diff = {k: (old.get(k), getattr(cfg, k)) for k in MODEL_FIELDS + DATA_FIELDS if old.get(k) != getattr(cfg, k)}
     if diff:
         what = ", ".join(f"{k} saved {a} vs now {b}" for k, (a, b) in diff.items())
@@ -222,10 +324,12 @@ def check_resume(cfg: TrainConfig) -> dict | None:
     return old
 
 
-def write_run_record(cfg: TrainConfig) -> None:
-    """Rank 0: record the configuration next to the checkpoints (world size and mesh may change on resume)."""
+def write_run_record(cfg: TrainConfig, framework: str | None = None) -> None:
+    """Rank 0: record the configuration next to the checkpoints (world size and mesh may change on resume), and
+    which script's checkpoints they are (``framework``: ``"torch"`` or ``"jax"``)."""
     root = Path(cfg.ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / (RUN_RECORD + ".tmp")
-    tmp.write_text(json.dumps(cfg.record(), indent=1))
+    record = cfg.record() if framework is None else {**cfg.record(), "framework": framework}
+    tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(root / RUN_RECORD)

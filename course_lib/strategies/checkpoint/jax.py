@@ -24,7 +24,7 @@ from pathlib import Path
 from course_lib.strategies.fsdp.jax import fsdp_spec
 
 __all__ = ["manager", "save", "restore", "restore_target", "train_state", "put_state", "same_arrays",
-           "incomplete_steps"]
+           "incomplete_steps", "saved_shapes", "shapes_of"]
 
 
 def manager(directory, keep: int = 2, *, enable_async: bool = True):
@@ -99,3 +99,29 @@ def incomplete_steps(directory) -> list[str]:
     """Orbax's unfinished saves under ``directory``: ``<step>.orbax-checkpoint-tmp*`` (never listed as steps)."""
     d = Path(directory)
     return sorted(p.name for p in d.iterdir() if ".orbax-checkpoint-tmp" in p.name) if d.is_dir() else []
+
+
+def shapes_of(tree) -> dict[str, tuple]:
+    """``"model.blocks.0.attn.qkv.kernel.value" -> shape`` for every array (or ShapeDtypeStruct) of a pytree."""
+    import jax
+    def name(k):   # DictKey.key, SequenceKey.idx, GetAttrKey.name
+        return str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)), k))
+    return {".".join(name(k) for k in path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+
+
+def saved_shapes(directory) -> tuple[int, dict[str, tuple]] | None:
+    """``(step, {name: shape})`` of the newest complete step under ``directory`` whose ``state`` metadata Orbax
+    can read (global shapes, from the checkpoint's own ``_METADATA`` and array metadata; no array is read).
+    None when there is none."""
+    import orbax.checkpoint as ocp
+    d = Path(directory)
+    steps = sorted((int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True) \
+        if d.is_dir() else []
+    for step in steps:
+        try:
+            meta = ocp.StandardCheckpointHandler().metadata(d / str(step) / "state")
+        except Exception:  # noqa: BLE001 - damaged metadata: Orbax's restore will name it; try an older step
+            continue
+        return step, shapes_of(meta)
+    return None

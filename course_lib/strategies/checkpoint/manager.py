@@ -15,15 +15,24 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
 * **no commit record, no checkpoint** -- a step directory whose ``COMMIT.json`` is missing, truncated or names
   another step is never loaded, whatever its data files hold; :meth:`Checkpointer.latest` passes over it to the
   previous good step and :meth:`Checkpointer.ignored` says why.
-* **fail before training, fail once** -- at construction every rank writes a small probe file: a read-only,
-  missing or full folder is one :class:`CheckpointWriteError` before any step runs. A save that fails on the
-  disk (no space, read-only) removes its ``.partial`` directory and raises one :class:`CheckpointWriteError`
-  naming the cause and the last good step -- or, with ``on_save_error="warn"``, prints that line and lets
-  training go on. A crash (a killed rank or launcher) leaves its ``.partial`` for :meth:`Checkpointer.incomplete`
-  to name at resume; the next successful commit removes it (it can never load, and it is a checkpoint's size).
-* **keep the last K** -- only after a successful commit (a failed save deletes nothing), the newest K
-  steps that verify are kept and every other step is deleted: a damaged newer step never costs an
-  older good one.
+* **fail before training, fail once, fail alike** -- where saves will happen, every rank writes a small probe
+  file (``probe=True``: at construction, before any step runs; by default: before the first save, so a
+  read-only folder still loads): a read-only, missing or full folder is one :class:`CheckpointWriteError`.
+  A save that fails on the disk is *agreed*: every rank reports what it saw in one collective, before anyone
+  removes anything, and every rank then raises the same :class:`CheckpointWriteError` (one message, naming the
+  ranks, the cause and the last good step) after the ``.partial`` directory is removed -- or, with
+  ``on_save_error="warn"``, rank 0 prints that line and training goes on. A crash (a killed rank or launcher)
+  leaves its ``.partial`` for :meth:`Checkpointer.incomplete` to name at resume; the next successful commit
+  removes it (it can never load, and it is a checkpoint's size).
+* **a full disk makes room first** -- when a save fails for lack of space, the steps that the new one would
+  have pruned anyway (this run's, beyond ``keep`` once it is written; never the newest good one) are deleted
+  and the save is tried once more; only if that fails too is it an error.
+* **keep the last K of this run** -- only after a successful commit (a failed save deletes nothing), the newest
+  K steps that verify are kept and the other steps *of this run* are deleted: a damaged newer step never costs
+  an older good one, and a step another run wrote is never touched. "This run" is its lineage: every commit
+  records the run id that wrote it and the runs it resumed from (``COMMIT.json``: ``run``, ``lineage``), and
+  :meth:`Checkpointer.load` adopts the lineage of the step it loads. (The capstone also locks the folder for
+  one trainer: :mod:`~course_lib.strategies.checkpoint.owner`.)
 * **async** -- ``save(..., blocking=False)`` calls ``dcp.async_save`` on the manager's *own* gloo group:
   it needs a CPU-capable group, and its collectives (run in a background thread) must not interleave
   with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
@@ -38,9 +47,11 @@ Reusable by a training script: ``ckpt = Checkpointer(root, keep=2)`` on every ra
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -157,14 +168,18 @@ class Checkpointer:
     Construct on every rank (it creates its own gloo group, a collective). ``group``: the ranks that save
     together (default: all). Every method that writes or reads is collective over them.
 
-    ``probe`` (default on): at construction every rank writes, syncs and deletes a small file in ``root``, so a
-    read-only, missing or full checkpoint folder is one :class:`CheckpointWriteError` before training starts,
-    not a DCP traceback at the first save. ``on_save_error``: ``"raise"`` (default) or ``"warn"`` -- print one
-    line and keep training (the run goes on with the previous checkpoint as its last good one). Either way a
-    failed save's ``.partial`` directory is removed.
+    ``probe``: every rank writes, syncs and deletes a small file in ``root``, so a read-only, missing or full
+    checkpoint folder is one :class:`CheckpointWriteError`, not a DCP traceback. ``True``: at construction (a
+    trainer: before training starts); ``None`` (default): before the first save (a folder that is only read --
+    read-only media, someone else's checkpoints -- loads); ``False``: never. ``on_save_error``: ``"raise"``
+    (default) or ``"warn"`` -- print one line and keep training (the run goes on with the previous checkpoint as
+    its last good one). Either way a failed save's ``.partial`` directory is removed. ``run_id``: this run's id
+    (default: a new one, chosen by rank 0), recorded in every step it commits; only steps of this run and of the
+    runs it resumed from are ever pruned.
     """
 
-    def __init__(self, root, keep: int = 2, *, group=None, probe: bool = True, on_save_error: str = "raise"):
+    def __init__(self, root, keep: int = 2, *, group=None, probe: bool | None = None, on_save_error: str = "raise",
+                 run_id: str | None = None):
         import torch.distributed as dist
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1: the newest good checkpoint is never deleted")
@@ -178,10 +193,14 @@ class Checkpointer:
         # gloo group keeps them apart from the training's (interleaved collectives deadlock or mix data)
         self.group = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
         self.rank = dist.get_rank(self.group) if self.distributed else 0
+        if self.rank == 0 and run_id is None:
+            from course_lib.strategies.checkpoint.owner import new_run_id
+            run_id = new_run_id()
+        self.run_id = self._from_rank0(run_id)   # rank 0's: the ranks of one run share one id
+        self.lineage: set[str] = {self.run_id}   #: runs whose steps this one may prune: itself and those it resumed
+        self._probe_at_save = probe is None
         if probe:
             self.probe()
-        elif self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
 
     def probe(self, nbytes: int = 1 << 16) -> None:
         """Every rank writes ``nbytes`` into ``root``, syncs and deletes it; any failure on any rank raises
@@ -206,7 +225,9 @@ class Checkpointer:
             r, e = bad[0]
             where = f" (rank {r})" if self.distributed else ""
             raise CheckpointWriteError(f"cannot write checkpoints to {self.root}{where}: {e}. Fix: point the "
-                                       "checkpoint folder at a writable directory with free space")    # -- what is on disk --------------------------------------------------------------------------------
+                                       "checkpoint folder at a writable directory with free space")
+
+    # -- what is on disk --------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, oldest first (``.partial`` directories are not checkpoints)."""
         if not self.root.is_dir():
@@ -237,53 +258,109 @@ class Checkpointer:
         return lines + [f"ignored {p}: an unfinished save (never committed)" for p in self.incomplete()]
 
     # -- save ---------------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, *, blocking: bool = True) -> None:
+    def save(self, step: int, state: dict, *, blocking: bool = True) -> bool:
         """Write ``state`` as step ``step``; commit now (``blocking``) or in :meth:`wait` (async).
-        Blocking time of an async save: staging, i.e. copying every tensor once, in this thread."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
+        Blocking time of an async save: staging, i.e. copying every tensor once, in this thread. Returns False
+        when the save failed and ``on_save_error="warn"`` (else it raises)."""
         self.wait()                                        # one save in flight at a time
+        if self._probe_at_save:
+            self._probe_at_save = False
+            self.probe()
+        from torch.distributed.checkpoint.api import CheckpointException
+        for attempt in (1, 2):
+            try:
+                self._write(step, state, blocking)
+                if not blocking:
+                    return True
+                self._commit(step)
+                self._pending = None
+                break
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank: all are here
+                self._pending = None
+                verdict = self._agree(step, e)             # the one collective: every rank decides the same
+                if attempt == 1 and verdict["full"] and self._make_room(step):
+                    continue                               # the steps the new one would have pruned are gone: again
+                return self._give_up(step, verdict, e)
+        self._prune()
+        return True
+
+    def _write(self, step: int, state: dict, blocking: bool) -> None:
+        import torch.distributed.checkpoint as dcp
         tmp = step_dir(self.root, step, partial=True)
         if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)         # debris of an earlier crash at the same step
         self._barrier()
         kw = {"checkpoint_id": os.fspath(tmp), "process_group": self.group, "no_dist": not self.distributed}
-        try:
-            with quiet_single_process():
-                if blocking:
-                    dcp.save(state, **kw)
-                    self._pending = (step, None)
-                else:
-                    self._pending = (step, dcp.async_save(state, **kw))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure: all ranks
-            return self._failed(step, e)                # are here (CheckpointException is a BaseException)
-        if blocking:
-            return self.wait() is not None
-        return True
+        with quiet_single_process():
+            if blocking:
+                dcp.save(state, **kw)
+                self._pending = (step, None)
+            else:
+                self._pending = (step, dcp.async_save(state, **kw))
 
-    def _failed(self, step: int, exc: BaseException) -> bool:
-        """A save failed on some rank (DCP raises on all): remove its ``.partial`` directory, then raise one
-        :class:`CheckpointWriteError` or, with ``on_save_error="warn"``, print one line and return False."""
-        self._pending = None
+    def _agree(self, step: int, exc: BaseException) -> dict:
+        """Every rank's view of a failed save, gathered in one collective *before* anyone removes anything, and
+        the verdict every rank then acts on: ``storage`` (the disk's fault: read-only, full...), ``full`` (no
+        space), ``cause`` (one line, from the lowest rank that saw the disk's error) and the ``ranks`` that did.
+        A failure that is not the disk's (a dead peer, a broken group) is re-raised: the launcher's business."""
         cause, storage = _root_cause(exc)
+        full = _no_space(exc)
         try:   # torch.save reports a full disk as "unexpected pos ...": say what it means
             free = shutil.disk_usage(self.root).free
             if free < (1 << 20):
-                cause, storage = cause + f" -- the disk is full ({free:,} bytes free)", True
+                cause, storage, full = cause + f" -- the disk is full ({free:,} bytes free)", True, True
         except OSError:
             pass
-        if not storage:   # not the disk: a peer died or the group broke -- the launcher's business; the
-            raise exc     # .partial stays for incomplete() to name, like any crash's
-        shutil.rmtree(step_dir(self.root, step, partial=True), ignore_errors=True)
+        failed = sorted(getattr(exc, "failures", None) or {}) or None   # DCP names the ranks whose write failed
+        try:
+            views = self._gather({"cause": cause, "storage": storage, "full": full, "failed": failed})
+        except BaseException:  # noqa: BLE001 - the group itself is broken (a rank died): nothing to agree on
+            raise exc from None
+        bad = [r for r, v in enumerate(views) if v["storage"]]
+        if not bad:
+            raise exc
+        return {"storage": True, "full": any(v["full"] for v in views), "cause": views[bad[0]]["cause"],
+                "ranks": views[bad[0]]["failed"] or bad, "world": len(views)}
+
+    def _make_room(self, step: int) -> bool:
+        """After a save ran out of space: delete the debris of crashed saves and this run's steps that committing
+        ``step`` would prune anyway (all but the newest ``keep - 1`` good ones; never the newest good one). True
+        when something was deleted (then the save is tried again). Collective; rank 0 deletes."""
+        freed = []
+        if self.rank == 0:
+            shutil.rmtree(step_dir(self.root, step, partial=True), ignore_errors=True)
+            for debris in self.incomplete():
+                shutil.rmtree(debris, ignore_errors=True)
+                freed.append(debris.name)
+            for s in self._prunable(keep=max(self.keep - 1, 1)):
+                shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
+                freed.append(f"step {s}")
+            if freed:
+                print(f"course_lib: no space left to save step {step} in {self.root}: removed {', '.join(freed)} "
+                      f"(beyond keep={self.keep} once step {step} is written) and saving again", file=sys.stderr,
+                      flush=True)
+        return bool(self._from_rank0(freed))
+
+    def _give_up(self, step: int, verdict: dict, exc: BaseException) -> bool:
+        """The agreed failure: rank 0 removes the ``.partial`` directory, then every rank raises the same
+        :class:`CheckpointWriteError` or, with ``on_save_error="warn"``, rank 0 prints it and all return False."""
+        if self.rank == 0:
+            shutil.rmtree(step_dir(self.root, step, partial=True), ignore_errors=True)
+        self._barrier()
         last = self.steps()
-        msg = (f"saving step {step} to {self.root} failed: {cause}; its partial directory was removed, the last "
-               f"complete checkpoint is {'step ' + str(last[-1]) if last else 'none'}")
+        ranks = verdict["ranks"]
+        where = "" if verdict["world"] == 1 else (" on every rank" if len(ranks) == verdict["world"] else
+                                                   f" on rank(s) {ranks} of {verdict['world']}")
+        msg = (f"saving step {step} to {self.root} failed{where}: {verdict['cause']}; its partial directory was "
+               f"removed, the last complete checkpoint is {'step ' + str(last[-1]) if last else 'none'}")
         if self.on_save_error == "warn":
             if self.rank == 0:
-                import sys
                 print(f"warning: {msg}; training goes on (on_save_error='warn')", file=sys.stderr, flush=True)
             return False
-        raise CheckpointWriteError(msg + ". Fix: free space or make the folder writable, then --resume") from exc
+        fix = ("free space on that disk (or lower keep), then resume" if verdict["full"] else
+               "make the folder writable or point the checkpoints elsewhere, then resume")
+        raise CheckpointWriteError(f"{msg}. Fix: {fix}") from exc
 
     @property
     def in_flight(self):
@@ -292,29 +369,39 @@ class Checkpointer:
 
     def wait(self) -> int | None:
         """Finish the save in flight (if any): wait for its files, commit, prune. Returns its step (None
-        when nothing was in flight or, with ``on_save_error="warn"``, when the save failed)."""
+        when nothing was in flight or, with ``on_save_error="warn"``, when the save failed). An async save that
+        ran out of space makes room for the next one (its state is gone: it is not tried again)."""
         if self._pending is None:
             return None
         step, future = self._pending
-        self._pending = None
         from torch.distributed.checkpoint.api import CheckpointException
         try:
             if future is not None:
                 future.result()                            # every rank's file and .metadata are written
             self._commit(step)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - e.g. no space left for COMMIT.json
-            self._failed(step, e)
+            self._pending = None
+            verdict = self._agree(step, e)
+            if verdict["full"]:
+                self._make_room(step)
+            self._give_up(step, verdict, e)
             return None
+        self._pending = None
         self._prune()
         return step
 
     def _commit(self, step: int) -> None:
+        """Each rank checksums the files it wrote; rank 0 writes ``COMMIT.json`` and renames. Any rank's failure
+        fails the commit on every rank (none waits in a collective the others skipped)."""
         tmp = step_dir(self.root, step, partial=True)
-        mine = {f.name: [f.stat().st_size, crc32_file(f)] for f in tmp.iterdir()
-                if f.name.startswith(f"__{self.rank}_")}  # each rank checksums the file it wrote
+        try:
+            mine = {f.name: [f.stat().st_size, crc32_file(f)] for f in tmp.iterdir()
+                    if f.name.startswith(f"__{self.rank}_")}
+        except OSError as e:
+            mine = e
         every = self._gather(mine)
-        err = None
-        if self.rank == 0:
+        err = next((e for e in every if isinstance(e, BaseException)), None)
+        if self.rank == 0 and err is None:
             try:
                 self._write_commit(tmp, step, every)
             except OSError as e:
@@ -326,13 +413,18 @@ class Checkpointer:
     def _write_commit(self, tmp: Path, step: int, every: list) -> None:
         files = {k: v for d in every for k, v in d.items()}
         files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
-        record = {"step": step, "world_size": len(every), "files": files}
+        record = {"step": step, "world_size": len(every), "files": files, "run": self.run_id,
+                  "lineage": sorted(self.lineage)}
         with open(tmp / COMMIT_FILE, "w") as f:
             json.dump(record, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         final = step_dir(self.root, step)
-        if final.exists():                             # saving a step again replaces it
+        if final.exists():                             # saving a step again replaces it: only one of this run's
+            owner = _run_of(final)
+            if owner is not None and owner not in self.lineage:
+                raise OSError(errno.EEXIST, f"step {step} already exists, written by run {owner} (not this one), "
+                                            "and is not replaced", os.fspath(final))
             shutil.rmtree(final)
         os.rename(tmp, final)                          # the commit: atomic on one filesystem
         fd = os.open(self.root, os.O_RDONLY)
@@ -341,22 +433,31 @@ class Checkpointer:
         finally:
             os.close(fd)
 
+    def _prunable(self, keep: int) -> list[int]:
+        """This run's committed steps beyond the newest ``keep`` that verify (sizes only), newest first. Steps of
+        other runs, and steps whose commit record cannot say which run wrote them, are never listed."""
+        kept, out = 0, []
+        for s in reversed(self.steps()):
+            if _run_of(step_dir(self.root, s)) not in self.lineage:
+                continue
+            if kept < keep:
+                try:
+                    verify(step_dir(self.root, s), crc=False)
+                    kept += 1
+                    continue
+                except CheckpointCorrupt:
+                    pass
+            out.append(s)
+        return out
+
     def _prune(self) -> None:
-        """Keep the newest ``keep`` steps that verify; delete every other committed step, and the ``.partial``
+        """Keep the newest ``keep`` steps of this run that verify; delete its other steps, and the ``.partial``
         directories that crashes left (none is in flight: one save at a time). Verified by sizes only (cheap: no
         re-reading of K checkpoints per save); :meth:`load` checks the CRCs."""
         if self.rank == 0:
             for debris in self.incomplete():
                 shutil.rmtree(debris, ignore_errors=True)
-            kept = []
-            for s in reversed(self.steps()):
-                if len(kept) < self.keep:
-                    try:
-                        verify(step_dir(self.root, s), crc=False)
-                        kept.append(s)
-                        continue
-                    except CheckpointCorrupt:
-                        pass
+            for s in self._prunable(self.keep):
                 shutil.rmtree(step_dir(self.root, s), ignore_errors=True)
         self._barrier()
 
@@ -396,6 +497,8 @@ class Checkpointer:
             raise CheckpointMismatch(where + bad[first])
         with quiet_single_process():
             dcp.load(state, checkpoint_id=os.fspath(path), process_group=self.group, no_dist=not self.distributed)
+        record = read_commit(path) or {}                   # resuming a run makes its steps this run's too
+        self.lineage |= set(record.get("lineage") or []) | ({record["run"]} if record.get("run") else set())
         return chosen
 
     def load_latest(self, state: dict, *, strict: bool = True) -> int | None:
@@ -423,6 +526,30 @@ class Checkpointer:
             import torch.distributed as dist
             dist.barrier(group=self.group)
 
+
+
+def _run_of(path) -> str | None:
+    """The run that committed the step at ``path`` (None: no readable commit record, or an older one without)."""
+    try:
+        return (read_commit(path) or {}).get("run")
+    except CheckpointCorrupt:
+        return None
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether ENOSPC (or EDQUOT) is anywhere in ``exc``: its causes, or DCP's per-rank failures."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        for f in (getattr(e, "failures", None) or {}).values():
+            todo.append(f[0] if isinstance(f, tuple) else getattr(f, "exc", f))
+        todo += [e.__cause__, e.__context__]
+    return False
 
 
 def _root_cause(exc: BaseException) -> tuple[str, bool]:
