@@ -209,12 +209,13 @@ def _bucket_mistake(runs, bad: int) -> str:
 
 
 @exercise("01", 'make_buckets', cell='def my_make_buckets(', hints=HINTS['make_buckets'],
-          guards=("boundary", "argument"),
+          guards=("boundary", "argument", "cost"),
           mistakes={'empty bucket': 'an empty bucket', 'lost parameter': 'exactly one bucket',
                     'forward order': 'walk the parameters in reverse', 'dtype ignored': 'depend on the dtype',
                     'cap ignored': 'cap_bytes is never used', 'over the cap': 'a bucket exceeds cap_bytes',
                     'exact fit split': "a bucket may hold exactly cap_bytes",
-                    'not a list of buckets': 'return a list of buckets'})
+                    'not a list of buckets': 'return a list of buckets',
+                    'input reordered': "reordered the caller's list in place"})
 def check_make_buckets(fn, name: str = "make_buckets") -> bool:
     """Exercise check: ``fn(params, cap_bytes)`` groups like :func:`make_buckets` (reverse order, greedy),
     on float32 and mixed-dtype parameters, an exact fit and a tensor bigger than the cap."""
@@ -224,7 +225,13 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
         for numels, dtypes, cap in _BUCKET_CASES:
             dtypes = dtypes or ("float32",) * len(numels)
             ps = [torch.zeros(k, dtype=getattr(torch, d), requires_grad=True) for k, d in zip(numels, dtypes)]
-            got = fn(ps, cap)
+            given = list(ps)
+            got = fn(given, cap)
+            if [id(p) for p in given] != [id(p) for p in ps]:
+                raise AssertionError(f"{name}(numels={list(numels)}, cap_bytes={cap}) changed the list it was given "
+                                     f"(now {len(given)} tensors, in another order or others) → reordered the caller's "
+                                     "list in place (params.reverse(), .sort(), .pop()): the caller's parameter list "
+                                     "is not theirs any more; walk reversed(params) or a copy instead")
             idx = {id(p): i for i, p in enumerate(ps)}
             try:
                 got_i = [[idx.get(id(p), -1) for p in b] for b in got]

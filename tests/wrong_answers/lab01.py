@@ -1,5 +1,5 @@
 """Lab 01's classic mistakes (averaging gradients over ranks, DDP's buckets, DP in JAX, a key per device)."""
-from wrong_answers import Wrong
+from wrong_answers import Right, Wrong
 
 _N = "N = 4\n"
 _AVG = "lab01.check_average_gradients(average_gradients, world_size=N)"
@@ -182,4 +182,30 @@ def device_key(key):
 def device_key(key):
     return jax.random.fold_in(key, jax.lax.axis_index("data"))    # the mesh axis is "dp"
 """, _KEY, "a mesh axis name the mesh does not have", ("NameError",)),
+]
+
+# -- round 3: the caller's list changed in place; the wrong type ------------------------------------------------
+WRONG += [
+    Wrong("01", "make_buckets", "cost", "input reordered", _buckets("size + nbytes > cap_bytes and current",
+                                                                    order="params").replace(
+        "    buckets, current, size = [], [], 0\n", "    params.reverse()                                 # in place: the caller's list too\n"
+        "    buckets, current, size = [], [], 0\n"), _BUCKETS, "params.reverse() in place: right buckets, the caller's list reversed"),
+    Wrong("01", "make_buckets", "crash", "not a list of buckets", """\
+def my_make_buckets(params, cap_bytes):
+    return len(params)                               # how many parameters, not the buckets
+""", _BUCKETS, "returns a count"),
+]
+
+RIGHT = [
+    Right("01", "make_buckets", """\
+def my_make_buckets(params, cap_bytes):
+    params = params[::-1]                            # a reversed copy: the caller's list untouched
+    buckets = [[]]
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and sum(q.numel() * q.element_size() for q in buckets[-1]) + nbytes > cap_bytes:
+            buckets.append([])
+        buckets[-1].append(p)
+    return [b for b in buckets if b]
+""", _BUCKETS, "a reversed copy, sizes summed again per bucket"),
 ]
