@@ -2,7 +2,9 @@
 # Debian packages the test suite needs, installed by the project itself (never `playwright install`,
 # which downloads a browser): chromium, driven by Playwright for the real-browser widget tests, and
 # iproute2 (`ip`, `tc`) for the two-"node" network-namespace runs of Lab 06 and the capstone, and
-# bubblewrap (`bwrap`), the sandbox `python -m course_lib grade` runs each submission's kernel in.
+# bubblewrap (`bwrap`), the sandbox `python -m course_lib grade` runs each submission's kernel in, and
+# slurm-wlm + munge (slurmctld, slurmd, sbatch, munged), the private Slurm that tests/test_slurm.py runs the
+# capstone's batch scripts on (its own key, ports and folders: the system's /etc/slurm and /etc/munge unused).
 # A fast no-op when both are present. Needs root (or sudo) and apt-get.
 set -euo pipefail
 
@@ -10,8 +12,9 @@ missing=()
 [[ -x /usr/bin/chromium ]] || missing+=(chromium fonts-liberation)
 command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing+=(iproute2)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || missing+=(slurm-wlm munge)
 if [[ ${#missing[@]} -eq 0 ]]; then
-    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)), iproute2 present, bubblewrap present"
+    echo "system-deps: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)), iproute2 present, bubblewrap present, slurm-wlm and munge present"
     exit 0
 fi
 
