@@ -137,7 +137,7 @@ def _cost_problem(records, numel: int, n: int, call: str) -> str | None:
                     'all_reduce called': 'called all_reduce itself',
                     'whole tensors gathered': "gathered every rank's whole tensor",
                     'input returned': 'returned the input tensor, not a NEW one',
-                    'input overwritten': 'overwrote the input in place'})
+                    'input overwritten': 'overwrote the input in place', 'dtype changed': 'where the reference is'})
 def check_all_reduce(fn, world_size: int = 4, numel: int = 24, name: str = "my_all_reduce") -> bool:
     """Exercise check: ``fn(x, mean=False)`` on every rank equals ``dist.all_reduce(x)`` (÷N if mean),
     and is built from a reduce-scatter and an all-gather (read from the ledger), for the sum and the mean."""
@@ -269,6 +269,7 @@ def _averaged(n: int) -> checks.Detector:
                     'shard not gathered': "the reduce-scatter's output was not all-gathered",
                     'averaged': 'where the exercise asks for the sum', 'psum': 'a psum (one all-reduce)',
                     'untiled scatter': 'psum_scatter was called without tiled=True',
+                    'dtype changed': 'where the reference is',
                     'whole blocks gathered': "gathers every device's whole block"})
 def check_jax_all_reduce(fn, mesh, numel: int = 24, name: str = "jax_all_reduce") -> bool:
     """Exercise check: ``fn(block)`` under ``jax.shard_map`` over ``mesh``'s one axis equals the sum

@@ -254,7 +254,8 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
           mistakes={'pmean of the gradient': 'jax.grad already psums', 'psum of the loss': 'pmean, not psum',
                     'no collective': 'average the per-device losses', 'averaged twice': 'averaged twice',
                     'batch gathered': 'gathers the batch',
-                    'extra all-reduce': 'a collective more than the one the backward pass inserts'})
+                    'extra all-reduce': 'a collective more than the one the backward pass inserts',
+                    'not (loss, grads)': 'return (loss, grads)', 'dtype changed': 'where the reference is'})
 def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bool:
     """Exercise check: ``fn(loss_fn, params, x, y)`` inside ``jax.shard_map`` over ``mesh``'s axis (batch
     sharded, params replicated, default ``check_vma``) returns the whole batch's loss and gradient on
@@ -281,7 +282,15 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
            "pmean(loss) instead")
     with checks.check(name, tests="on 4 devices the loss and every gradient equal the whole batch's, identical on every device") as c:
         f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P(axis)), out_specs=P(axis)))
-        loss, grads = f(params, x, y)
+        out = f(params, x, y)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict)
+                and set(out[1]) == set(params)):
+            shown = type(out).__name__ + (f" of ({', '.join(type(o).__name__ for o in out)})"
+                                          if isinstance(out, (tuple, list)) else "")
+            raise AssertionError(f"{name} returned a {shown} → return (loss, grads): the loss first, then the "
+                                 f"gradients as a dict with the keys of params ({sorted(params)}), as "
+                                 "jax.value_and_grad returns them")
+        loss, grads = out
         ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x, y)
         for d in range(n):
             rows = slice(d * len(x) // n, (d + 1) * len(x) // n)
@@ -320,7 +329,8 @@ def check_jax_dp_value_and_grad(fn, mesh, name: str = "dp_value_and_grad") -> bo
 
 @exercise("01", 'device_key', cell='def device_key(', hints=HINTS['device_key'], guards=("argument",),
           mistakes={'same key everywhere': 'drew the same mask', 'key ignored': 'ignores the key it is given',
-                    'another derivation': 'not the masks the course expects'})
+                    'another derivation': 'not the masks the course expects',
+                    'not a key': 'return a PRNG key'})
 def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
     """Exercise check: ``fn(key)`` inside ``shard_map`` gives device ``d`` the key ``fold_in(key, d)``."""
     import jax
@@ -336,7 +346,13 @@ def check_jax_device_key(fn, mesh, name: str = "device_key") -> bool:
 
     with checks.check(name, tests='every device gets a different key, the same call twice gives the same keys, and it depends on the key given') as c:
         draw = jax.jit(jax.shard_map(masks, mesh=mesh, in_specs=P(), out_specs=P(axis)))
-        got = np.asarray(draw(key))
+        try:
+            got = np.asarray(draw(key))
+        except TypeError as e:               # jax.random refuses what came back before any mask is drawn
+            if "key" not in str(e):
+                raise
+            raise AssertionError(f"{name} returned something jax.random cannot use as a key ({str(e).splitlines()[0]})"
+                                 " → return a PRNG key: the given key with the device's index folded in") from None
         ref = np.stack([np.asarray(jax.random.bernoulli(jax.random.fold_in(key, d), 0.5, (64,))) for d in range(n)])
         if all((got[d] == got[0]).all() for d in range(n)):
             raise AssertionError(f"all {n} devices drew the same mask: the key must depend on which device this "

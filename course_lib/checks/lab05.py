@@ -232,6 +232,7 @@ def _divided_in_backward(n: int):
                     'psum then slice': '2× the bytes of a psum_scatter', 'psum as a gather': '2× the bytes of an all_gather',
                     'dim ignored': 'use the argument `dim`', 'untiled gather': 'tiled=True concatenates',
                     'untiled scatter': 'psum_scatter was called without tiled=True',
+                    'dtype changed': 'where the reference is',
                     'gathered on the wrong dim': 'gathered along the wrong dimension',
                     'scattered on the wrong dim': 'scattered along the wrong dimension',
                     'divided in the backward': 'the loss already carries the ÷N',

@@ -254,3 +254,23 @@ def ring_bytes(op, V, N):
     return (2 if op == "all_reduce" else 1) * (N - 1) / N * V / (N - 1) * (N - 1) if N > 1 else float("nan")
 """, _RING, "nan for one rank (0/0 written out)"),
 ]
+
+WRONG += [
+    Wrong("00", "jax_all_reduce", "value", "dtype changed", _MESH + """\
+def jax_all_reduce(block):
+    shard = jax.lax.psum_scatter(block.astype(jax.numpy.bfloat16), "x", tiled=True)   # half the bytes on the wire
+    return jax.lax.all_gather(shard, "x", tiled=True)
+""", _JAR, "reduces in bfloat16"),
+    Wrong("00", "my_all_reduce", "value", "dtype changed", _N + """\
+def my_all_reduce(x, mean=False):
+    import torch
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    x16 = x.to(torch.bfloat16)                       # half the bytes on the wire
+    shard = x16.new_empty(x.numel() // n)
+    dist.reduce_scatter_tensor(shard, x16)
+    out = torch.empty_like(x16)
+    dist.all_gather_into_tensor(out, shard)
+    return out / n if mean else out
+""", _AR, "communicates and returns bfloat16"),
+]

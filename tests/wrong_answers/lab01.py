@@ -209,3 +209,20 @@ def my_make_buckets(params, cap_bytes):
     return [b for b in buckets if b]
 """, _BUCKETS, "a reversed copy, sizes summed again per bucket"),
 ]
+
+WRONG += [
+    Wrong("01", "dp_value_and_grad", "crash", "not (loss, grads)", _MESH + """\
+def dp_value_and_grad(loss_fn, params, x, y):
+    loss, grads = jax.value_and_grad(lambda p: jax.lax.pmean(loss_fn(p, x, y), "dp"))(params)
+    return grads, loss                               # the order of jax.grad's has_aux, not value_and_grad's
+""", _VG, "(grads, loss) where (loss, grads) is asked: the check's unpacking raised a raw IndexError"),
+    Wrong("01", "dp_value_and_grad", "value", "dtype changed", _MESH + """\
+def dp_value_and_grad(loss_fn, params, x, y):
+    loss, grads = jax.value_and_grad(lambda p: jax.lax.pmean(loss_fn(p, x, y), "dp"))(params)
+    return loss, jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)   # "half the bytes to send"
+""", _VG, "gradients cast to bfloat16: right to 3 digits"),
+    Wrong("01", "device_key", "crash", "not a key", _MESH + """\
+def device_key(key):
+    jax.random.fold_in(key, jax.lax.axis_index("dp"))   # computed, never returned
+""", _KEY, "no return: jax.random raised a raw TypeError in the check"),
+]

@@ -150,3 +150,9 @@ RIGHT = [
         'return jax.lax.psum_scatter(g_full, "fsdp", scatter_dimension=dim, tiled=True)'),
           PAIR, "an untiled gather, concatenated along dim by hand"),
 ]
+
+WRONG += [
+    Wrong("05", "gather_pair", "value", "dtype changed",
+          pair('return jax.lax.all_gather(w_shard.astype(jax.numpy.bfloat16), "fsdp", axis=dim, tiled=True)', RS),
+          PAIR, "gathers in bfloat16 (half the bytes) and hands the layer a rounded weight"),
+]
