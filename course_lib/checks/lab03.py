@@ -133,7 +133,8 @@ def check_flat_shard(fn, name: str = "flat_shard") -> bool:
         for shapes, world, dtype in cases:
             tensors = [(torch.randn(s, generator=g) + 1.0).to(dtype) for s in shapes]   # no zeros: padding shows
             flat = torch.cat([t.reshape(-1) for t in tensors]).numpy()
-            got_all = [fn([t.clone() for t in tensors], r, world) for r in range(world)]
+            given = [[t.clone() for t in tensors] for _ in range(world)]
+            got_all = [fn(given[r], r, world) for r in range(world)]
             for r, got in enumerate(got_all):
                 if not isinstance(got, torch.Tensor) or got.dim() != 1:
                     raise AssertionError(f"{name}(shapes {shapes}, rank {r}, world {world}) returned "
@@ -181,8 +182,12 @@ def check_flat_shard(fn, name: str = "flat_shard") -> bool:
                                 hint=[padded_in_front, padded_each, checks.wrong_shard_offset(world)])
             held = got_all[0].untyped_storage().nbytes() // got_all[0].element_size()
             if held > S:
+                yours = any(checks.compare.shares_memory(got_all[0], t) for t in given[0])
                 raise AssertionError(f"shapes {shapes}, world {world}: rank 0's shard is a view that keeps the "
-                                     f"whole {held:,}-element buffer alive, not a {S:,}-element copy\n"
+                                     f"whole {held:,}-element buffer alive, not a {S:,}-element copy"
+                                     + (" (the buffer is the tensor you were given: the shard shares memory with "
+                                        "the model's parameter, and an in-place update to one changes the other)"
+                                        if yours else "") + "\n"
                                      "   likely mistake: return the slice's .clone() — the point of sharding is "
                                      "that the full buffer can be freed")
         c.ok(f"{len(cases)} cases (17×257 + 257 over 3 and 4 ranks, 7 elements over 3, 15 over 16, one in float64): "

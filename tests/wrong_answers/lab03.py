@@ -252,3 +252,17 @@ class Prefetching(fsdp.FlatFSDP):
         self.next_unit(flat).unshard(async_op=True)                       # None after the last block
 """, PREFETCH, "no None check after the last unit", ("AttributeError", "on rank")),
 ]
+
+# -- round 3: aliasing the caller's tensor -----------------------------------------------------------------------
+WRONG += [
+    Wrong("03", "flat_shard", "cost", "a view, not a copy", SETUP + """
+def flat_shard(tensors, rank, world):
+    if len(tensors) == 1 and tensors[0].numel() % world == 0:    # "nothing to pad, nothing to copy"
+        S = tensors[0].numel() // world
+        return tensors[0].reshape(-1)[rank * S:(rank + 1) * S]   # a view of the caller's parameter
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    S = -(-flat.numel() // world)
+    flat = torch.cat([flat, flat.new_zeros(S * world - flat.numel())])
+    return flat[rank * S:(rank + 1) * S].clone()
+""", FLAT, "a single tensor that divides is sliced in place: the shard shares memory with the model's parameter"),
+]
