@@ -143,6 +143,7 @@ def pytest_collection_modifyitems(config, items):
     # the longest first, so the run does not end with one worker on a 40 s file while the other idles, and
     # the files with serial items last (the module docstring says why). Each file keeps its own order; the
     # sort is stable, so both workers collect the same order.
+    _mark_last_cells_of_labs(items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     files: dict[str, list] = {}
@@ -150,6 +151,50 @@ def pytest_collection_modifyitems(config, items):
         files.setdefault(str(item.path), []).append(item)
     order = sorted(files.values(), key=lambda g: (any(map(runs_alone, g)), -sum(map(_cost, g))))
     items[:] = [i for group in order for i in group]
+
+
+def _is_lab(item) -> bool:
+    """A cell of one of this course's labs/ notebooks (not a copy elsewhere, as tests/test_project.py's smoke lab)."""
+    root = getattr(getattr(item, "config", None), "rootpath", None)
+    return root is not None and item.path.suffix == ".ipynb" and item.path.parent == root / "labs"
+
+
+def _mark_last_cells_of_labs(items) -> None:
+    last = {}
+    for item in items:
+        if _is_lab(item):
+            last[item.path] = item
+    for item in last.values():
+        item.last_of_lab = True
+
+
+#: 5. **A lab as received credits no prediction and keeps its stated run time.** In each labs/ notebook nbval runs
+#: (untouched), a cell whose output scores a prediction ("🎯 ...: you predicted ...") fails: a prediction is the
+#: learner's or absent, never the lab's own number or a reference fallback's. And the notebook's seconds (its cells'
+#: setup, call and teardown: the kernel's start included) are compared with the time its first cell states when
+#: its last cell ends (tests/lab_time.py says how, and with what slack); that cell fails when the lab left its range.
+_LAB_SECONDS: dict[Path, float] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if _is_lab(item):
+        _LAB_SECONDS[item.path] = _LAB_SECONDS.get(item.path, 0.0) + call.duration
+        shown = "".join(str(o.get("text", "")) for o in (getattr(item, "test_outputs", None) or []))
+        if call.when == "call" and report.passed and "you predicted" in shown:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.path.name}, untouched, scored a prediction nobody wrote:\n"
+                               + "\n".join(line for line in shown.splitlines() if "you predicted" in line))
+        if call.when == "call" and getattr(item, "last_of_lab", False) and report.passed:
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("lab_time", Path(__file__).parent / "tests" / "lab_time.py")
+            lab_time = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(lab_time)
+            why = lab_time.problem(item.path, _LAB_SECONDS[item.path], quick=True)   # COURSE_LIB_QUICK: item 3 above
+            if why:
+                report.outcome, report.longrepr = "failed", why
+    return report
 
 
 _ALONE = False     #: this worker holds the room alone, from a serial item to the last of the serial items after it

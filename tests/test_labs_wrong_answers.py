@@ -13,8 +13,10 @@ its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shi
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import lab_time
 import nbformat
 import pytest
 
@@ -243,9 +245,16 @@ def test_a_wrong_answer_never_breaks_the_lab(lab, monkeypatch):
     monkeypatch.setenv("COURSE_LIB_TWO_NODE", "0")        # Lab 06's two-node cells: tests/test_netns.py runs them
     nb = _wrong_lab(lab)
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "labs")}})
+    t0 = time.perf_counter()
     without_output_widget_mirror(client).execute()        # raises if a cell fails
+    seconds = time.perf_counter() - t0
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                      if o.get("output_type") == "stream")
+    # the lab as received, predictions untouched: nothing scored as the learner's, nothing credited from a fallback
+    assert "you predicted" not in text, [line for line in text.splitlines() if "you predicted" in line]
+    # the stated run time holds (tests/lab_time.py: the first cell's "takes LOW–HIGH min on 2 CPU cores")
+    late = lab_time.problem(_lab_path(lab), seconds)
+    assert late is None, late
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors[0]
     wrong = [w for w in WRONG if w[0] == lab]
