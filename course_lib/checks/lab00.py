@@ -3,6 +3,9 @@
 Each compares a learner's version with the real collective and reads the ledger to see *how* it was
 computed, not only what it returned. Words as in :mod:`course_lib.comm.ledger` (payload ``V``) and
 :mod:`course_lib.maths.costs` (wire bytes).
+
+Longer than ~300 lines: three exercises, each with the diagnoses of its classic mistakes (the ❌ wording is the
+feedback a learner reads, so it stays beside the check that prints it).
 """
 from __future__ import annotations
 
