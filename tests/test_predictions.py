@@ -81,3 +81,19 @@ def test_a_missing_prediction_scores_nothing_and_says_why(capsys):
     assert "🎯 step: no model of yours yet; measured 71.3 ms." in out and "you predicted" not in out
     assert checks.prediction("bytes", 750, 768, unit="B") is True
     assert "you predicted 750 B, measured 768 B: 2.3% low — close" in capsys.readouterr().out
+
+
+def test_every_lab_states_its_run_time_and_the_check_enforces_it():
+    """tests/lab_time.py reads each lab's "takes LOW–HIGH min on 2 CPU cores"; a run outside the range (with the
+    loaded machine's slack) is a failure that says what to do."""
+    import lab_time
+    for lab in LABS:
+        rng = lab_time.stated_seconds(lab)
+        if lab.name[:2] in lab_time.NOT_STATED_YET:
+            continue
+        assert rng is not None and 0 < rng[0] < rng[1], f"{lab.name}: no 'takes LOW–HIGH min on 2 CPU cores'"
+        lo, hi = rng
+        assert lab_time.problem(lab, (lo + hi) / 2) is None
+        assert "measure it and restate it" in lab_time.problem(lab, 2.5 * hi)
+        assert "measure it and restate it" in lab_time.problem(lab, 0.4 * lo)
+        assert lab_time.problem(lab, 0.4 * lo, quick=True) is None          # Lab 08's quick run times fewer steps
