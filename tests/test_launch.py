@@ -69,7 +69,8 @@ def test_ranks_inherit_the_fork_servers_imports_frozen_and_their_collector_on():
     (launch.preload): each rank starts with it imported and still frozen (its collections skip the shared
     pages), and its collector on."""
     results = launch.run(_what_the_rank_inherited, world_size=2)
-    assert [(on, dynamo) for on, _, dynamo in results] == [(True, True)] * 2
+    preloaded = "torch._dynamo" in pool._SERVER["modules"]       # "auto": as this process had imported it
+    assert [(on, dynamo) for on, _, dynamo in results] == [(True, preloaded)] * 2
     assert all(frozen > 100_000 for _, frozen, _ in results), results
 
 
@@ -169,3 +170,21 @@ def _rendezvous():
     while hasattr(store, "underlying_store"):          # PrefixStore -> the store ranks met through
         store = store.underlying_store
     return os.environ.get("GLOO_SOCKET_IFNAME"), type(store).__name__
+
+
+def test_auto_preload_is_minimal_plus_what_the_notebook_imported_never_jax(monkeypatch):
+    """COURSE_LIB_PRELOAD=auto (the default): torch-only work preloads torch alone; a lab that imported FSDP gets it
+    preloaded; JAX never (no rank needs it); a wrong mode is named with the choices."""
+    import sys
+    monkeypatch.delenv("COURSE_LIB_PRELOAD", raising=False)
+    fsdp = "torch.distributed.fsdp"
+    monkeypatch.delitem(sys.modules, fsdp, raising=False)
+    assert fsdp not in pool.preload_modules()
+    assert pool.preload_modules()[:len(launch.PRELOAD["minimal"])] == launch.PRELOAD["minimal"]
+    monkeypatch.setitem(sys.modules, fsdp, sys)
+    assert fsdp in pool.preload_modules()
+    monkeypatch.setitem(sys.modules, "jax", sys)
+    assert not [m for m in pool.preload_modules() + pool.preload_modules("full") if "jax" in m or "flax" in m]
+    assert pool.preload_modules("full") == launch.PRELOAD["full"]
+    with pytest.raises(ValueError, match="COURSE_LIB_PRELOAD='fast' must be one of"):
+        pool.preload_modules("fast")

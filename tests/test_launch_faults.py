@@ -60,7 +60,7 @@ def _slow_rank0(seconds):
 
 
 def test_each_call_gets_its_own_timeout():
-    launch.run(_value, 0, world_size=2, timeout=1)  # a pool with a 1 s process-group timeout
+    launch.run(int, world_size=2, timeout=1)  # a pool with a 1 s process-group timeout (int: nothing to import)
     assert list(launch.run(_slow_rank0, 1.6, world_size=2, timeout=30)) == [2.0, 2.0]
 
 
@@ -73,6 +73,9 @@ def test_a_slow_rank_is_named_not_the_one_that_noticed():
     msg = str(e.value)
     assert "rank 1 waits in all_reduce #1 (12 B); rank 0 never issued it" in msg, msg
     assert e.value.rank == 0
+    # the stacks at the hang: rank 0 computing in its own line, rank 1 in the collective it issued
+    assert e.value.waiting_on[0].endswith("in _slow_rank0: time.sleep(seconds)"), e.value.waiting_on
+    assert "in _slow_rank0: dist.all_reduce(t)  (inside all_reduce)" in e.value.waiting_on[1], e.value.waiting_on
     assert list(launch.run(_slow_rank0, 0.5, world_size=2, timeout=30)) == [2.0, 2.0]
 
 
@@ -87,8 +90,26 @@ def _skip_on_rank1():
 
 
 def test_hang_names_the_missing_rank_and_where_the_others_wait():
+    """...and carries every rank's stack, captured before the ranks were killed, within the timeout + 2 s."""
+    launch.run(_value, 0, world_size=4)
+    procs = list(pool._POOLS[(4, "gloo")].procs)
+    t0 = time.monotonic()
     with pytest.raises(LaunchTimeout) as e:
         launch.run(_skip_on_rank1, world_size=4, timeout=1.5)
+    took = time.monotonic() - t0
     msg = str(e.value)
     assert "ranks 0,2,3 wait in all_reduce #2 (12 B); rank 1 never issued it" in msg, msg
     assert e.value.rank == 1
+    assert took < 1.5 + 2, took
+    assert not [p.pid for p in procs if p.is_alive()], "a rank outlived the hang report"
+    err = e.value
+    assert sorted(err.stacks) == [0, 1, 2, 3] and sorted(err.waiting_on) == [0, 1, 2, 3]
+    line = _skip_on_rank1.__code__.co_firstlineno + 6             # the second all_reduce, the one ranks 0,2,3 wait in
+    for r in (0, 2, 3):
+        assert f'line {line}, in _skip_on_rank1\n    dist.all_reduce(t)\n' in err.stacks[r], err.stacks[r]
+        assert err.stacks[r].rstrip().endswith("work.wait()"), err.stacks[r]          # the innermost frame: torch's
+        assert err.waiting_on[r] == (f"tests/test_launch_faults.py:{line} in _skip_on_rank1: dist.all_reduce(t)  "
+                                     "(inside all_reduce)"), err.waiting_on[r]
+        assert err.frames[r][-1].name == "all_reduce" or err.frames[r][-1].code == "work.wait()"
+    assert err.waiting_on[1] == "finished the call (idle)" and "conn.recv()" in err.stacks[1], err.stacks[1]
+    assert f"  rank 2: tests/test_launch_faults.py:{line} in _skip_on_rank1: dist.all_reduce(t)" in msg, msg

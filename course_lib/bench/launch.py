@@ -1,6 +1,7 @@
 """Benchmark the launcher: cold start (with a breakdown), warm round trip, repeated fresh launches.
 
-    python -m course_lib bench launch [--ranks 4] [--cold 5] [--warm 50] [--fresh 50]
+    python -m course_lib bench launch [--ranks 4] [--cold 5] [--warm 50] [--fresh 50] [--kernel N]
+                                      [--accelerate-target DIR]
 
 Cold start is measured in a new interpreter, as a learner's first call in a fresh kernel would be: from
 ``python`` being started to the first all-reduce returning on every rank. It is cut into stages that follow
@@ -14,6 +15,11 @@ each other (they add up to the total), each the median over ``--cold`` runs:
   forks              first rank forked -> last rank forked
   rendezvous         last rank forked -> every rank through the file store and ``init_process_group``
   first collective   the first call: pickle ``fn``, all-reduce on every rank, results back
+
+Then the fresh-kernel figure (:mod:`.launch_kernel`): a new Jupyter kernel, one cell that imports torch and the
+launcher and all-reduces on every rank, the course's ``run`` beside accelerate's ``notebook_launcher`` (round-robin,
+``--kernel`` rounds, default ``--cold``; median and ratio). accelerate is looked for on ``--accelerate-target``
+(a ``pip install --target`` folder, never the course's venv); without it that comparison is skipped in one line.
 
 Figures are printed, not asserted: a timed test on a shared 2-core machine would be flaky.
 ``--cold 1 --warm 1 --fresh 1 --ranks 2`` is the tiniest run (what the test suite runs).
@@ -95,7 +101,14 @@ def main(argv=None):
                          "imports then cannot overlap the notebook's)")
     ap.add_argument("--warm", type=int, default=50, help="warm round trips")
     ap.add_argument("--fresh", type=int, default=50, help="launches with fresh rank processes each time")
+    ap.add_argument("--kernel", type=int, default=None,
+                    help="fresh-kernel rounds, course then accelerate in each (default: --cold; 0 skips)")
+    ap.add_argument("--accelerate-target", default=os.environ.get("COURSE_BENCH_ACCELERATE"),
+                    help="folder where accelerate was pip-installed with --target (not the course's venv)")
     a = ap.parse_args(argv)
+    from course_lib.bench import launch_kernel
+    rounds = a.cold if a.kernel is None else a.kernel
+    kernel = launch_kernel.compare(a.ranks, rounds, a.accelerate_target) if rounds else None
     from course_lib import launch
 
     colds = [cold_start(a.ranks, a.torch_first) for _ in range(a.cold)]
@@ -115,7 +128,7 @@ def main(argv=None):
             print("launch failed:", exc)
         fresh.append(time.perf_counter() - t)
     exits = launch.shutdown()
-    print(f"ranks={a.ranks}  torch imported first={a.torch_first}  fork-server preload={os.environ.get('COURSE_LIB_PRELOAD', 'full')}  "
+    print(f"ranks={a.ranks}  torch imported first={a.torch_first}  fork-server preload={os.environ.get('COURSE_LIB_PRELOAD', 'auto')}  "
           f"cores={os.cpu_count()}  load average={os.getloadavg()[0]:.2f}")
     totals = [c["total"] for c in colds]
     print(f"cold start (new interpreter -> first all-reduce on {a.ranks} ranks): median {statistics.median(totals):.2f} s"
@@ -123,6 +136,8 @@ def main(argv=None):
     for stage in STAGES:
         vals = [c[stage] for c in colds]
         print(f"  {stage:<17} median {statistics.median(vals):6.3f} s  (min {min(vals):.3f}, max {max(vals):.3f})")
+    if kernel:
+        print(launch_kernel.report(kernel, a.ranks))
     print(f"warm round trip, trivial function: median {statistics.median(warm) * 1e3:.2f} ms, "
           f"max {max(warm) * 1e3:.2f} ms over {a.warm}")
     print(f"fresh launch (new rank processes + all-reduce + shutdown): median {statistics.median(fresh):.3f} s; "

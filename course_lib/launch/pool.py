@@ -44,7 +44,7 @@ import time
 
 import cloudpickle
 
-from course_lib.launch import kernel_exit
+from course_lib.launch import kernel_exit, stacks
 from course_lib.launch.rank import to_cpu, worker_main
 from course_lib.comm.ledger import Ledger
 from course_lib.launch.results import LaunchTimeout, RankError, RunResult
@@ -60,38 +60,85 @@ _STORE_PREFIX = "course_lib-store-"
 # notebook side
 # ---------------------------------------------------------------------------------------------
 #: What the fork server imports once for every rank (:mod:`.preload`, the garbage collector paused and frozen).
-#: "full" (the default) adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports) and the
-#: course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
-#: "minimal" makes the very first call of a kernel about 0.6 s faster, for labs that never touch those.
+#: "auto" (the default): "minimal", plus those of "full"'s extras the notebook itself has imported when the server
+#: starts -- a lab preloads what it uses (FSDP, DTensor, optimizers, the course's models) and a torch-only first
+#: call pays for torch alone; JAX is never imported for the ranks. Whatever the ranks import beyond it, each
+#: imports at its first use. "full" adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports)
+#: and the course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
 PRELOAD = {
     "minimal": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger"],
     "full": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger", "torch.distributed.fsdp",
              "torch.distributed.tensor", "torch.nn.parallel", "torch._dynamo", "torch.optim", "course_lib.models"],
 }
+_PRELOAD_ENV = "COURSE_LIB_PRELOAD_MODULES"   # the fork server's module list, as its environment hands it over
+
+
+def preload_modules(mode: str | None = None) -> list:
+    """The modules a fork server started now would import, for ``COURSE_LIB_PRELOAD`` (auto, minimal, full)."""
+    mode = mode or os.environ.get("COURSE_LIB_PRELOAD", "auto")
+    if mode == "auto":
+        return PRELOAD["minimal"] + [m for m in PRELOAD["full"] if m not in PRELOAD["minimal"] and m in sys.modules]
+    if mode not in PRELOAD:
+        raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of ['auto', 'full', 'minimal']")
+    return list(PRELOAD[mode])
 
 
 def _context():
     ctx = mp.get_context("forkserver")
     # The fork server imports torch once; every rank is then a cheap fork of a process that never
-    # started JAX or CUDA. COURSE_LIB_PRELOAD=minimal|full picks what else it imports (see PRELOAD).
-    mode = os.environ.get("COURSE_LIB_PRELOAD", "full")
-    if mode not in PRELOAD:
-        raise ValueError(f"COURSE_LIB_PRELOAD={mode!r} must be one of {sorted(PRELOAD)}")
-    ctx.set_forkserver_preload(["course_lib.launch.preload"])   # imports PRELOAD[mode], the collector paused
+    # started JAX or CUDA. COURSE_LIB_PRELOAD=auto|minimal|full picks what else it imports (see PRELOAD).
+    ctx.set_forkserver_preload(["course_lib.launch.preload"])   # imports $COURSE_LIB_PRELOAD_MODULES, collector paused
     return ctx
 
 
 _FORK_SERVER_ASKED = [None]  # wall time this process first asked for the fork server (cold-start breakdown)
+_SERVER = {"pid": None, "modules": [], "used": False}   # the fork server this process started: what it preloads
 
 
 def _start_fork_server():
-    """Start the fork server now (cheap if it runs): its imports then overlap with the notebook's."""
+    """Start the fork server now (cheap if it runs): its imports then overlap with the notebook's.
+
+    A server no rank came from yet is restarted when the notebook has since imported more of ``PRELOAD["full"]``
+    (a lab's first cell imported FSDP after ``import course_lib`` started the server): it then preloads those too."""
     import multiprocessing.forkserver
     if _FORK_SERVER_ASKED[0] is None:
         _FORK_SERVER_ASKED[0] = time.time()
-    _context()
-    multiprocessing.forkserver.ensure_running()
+    ctx = _context()
+    server = multiprocessing.forkserver._forkserver
+    modules = preload_modules()
+    if (server._forkserver_pid is not None and server._forkserver_pid == _SERVER["pid"] and not _SERVER["used"]
+            and not set(modules) <= set(_SERVER["modules"])):
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)   # still importing, or idle: nothing forked from it
+        except OSError:
+            pass
+        server._stop()    # CPython's own: close its pipe, reap it
+    os.environ[_PRELOAD_ENV] = ",".join(modules)    # read by a server started now (launch.preload), else unused
+    multiprocessing.forkserver.ensure_running()     # (re)starts it if it is not running
+    if server._forkserver_pid != _SERVER["pid"]:
+        _SERVER.update(pid=server._forkserver_pid, modules=modules, used=False)
     kernel_exit.install(shutdown)   # in a Jupyter kernel: stop the ranks and helpers when it shuts down
+    return ctx
+
+
+def start_early() -> bool:
+    """In a Jupyter kernel (``import course_lib``): start the fork server now, so that its imports overlap the rest
+    of the cell and the learner's reading; after that cell, restart it with what the cell imported if no rank came
+    from it yet. Elsewhere (a script, a rank, the fork server) it does nothing. ``COURSE_LIB_EAGER=0`` turns it off."""
+    if "IPython" not in sys.modules or os.environ.get("COURSE_LIB_EAGER", "1") == "0":
+        return False
+    from IPython import get_ipython
+    shell = get_ipython()
+    if getattr(shell, "kernel", None) is None or mp.current_process().name != "MainProcess":
+        return False
+    _start_fork_server()
+
+    def after_cell(*_):
+        shell.events.unregister("post_run_cell", after_cell)
+        if not _SERVER["used"]:
+            _start_fork_server()
+    shell.events.register("post_run_cell", after_cell)
+    return True
 
 
 class _Pool:
@@ -104,6 +151,7 @@ class _Pool:
         self.tmpdir = tempfile.mkdtemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")   # the owner's pid: see _remove_stale_dirs
         store_path = os.path.join(self.tmpdir, "store")
         ctx = _context()
+        _SERVER["used"] = True
         self.progress = ctx.Array("q", 3 * world_size, lock=False)  # per rank: collectives, op, bytes
         try:  # an interrupt while forking/connecting must not leave half a pool behind
             for r in range(world_size):
@@ -123,6 +171,7 @@ class _Pool:
         # Wall-clock milestones of this pool's start, for `bench launch`'s cold-start breakdown: the fork
         # server asked for, this pool asked for, the first rank forked (the server had finished its imports),
         # every rank through the rendezvous and init_process_group.
+        self.main_threads = {r: m[2].get("thread") for r, m in ready.items()}   # whose stack a hang reports
         self.startup = {"fork_server_asked": _FORK_SERVER_ASKED[0] or t_pool, "pool_asked": t_pool,
                         "first_rank_forked": min(m[2]["enter"] for m in ready.values()),
                         "last_rank_forked": max(m[2]["enter"] for m in ready.values()),
@@ -187,6 +236,9 @@ class _Pool:
         if not errors and not dead and len(finals) == self.world_size:
             return finals
         _flush_labelled()
+        frames = {}
+        if what == "call" and not errors and not dead:   # a hang: every rank's stack before the ranks go
+            frames = stacks.capture(self.procs, self.tmpdir, getattr(self, "main_threads", {}))
         if not (errors and len(errors) == self.world_size):
             self.kill()  # someone may be stuck in a collective: start afresh next time
         if dead:  # a dead rank is the cause; the others' errors are usually its echo
@@ -209,7 +261,7 @@ class _Pool:
             f"{ranks_text(missing)} did not finish the {what} within {timeout_s:g} s "
             f"(finished: {ranks_text(sorted(finals), bare=True) or 'none'}){where}. A rank that skips a collective leaves the others "
             "waiting in it. The pool was shut down; the next call starts afresh "
-            "(pass timeout=... to allow longer runs)", "")
+            "(pass timeout=... to allow longer runs)", "", frames=frames, finished=set(finals))
 
     def _where(self, missing):
         """Where the unfinished ranks wait, from the collective counts every rank publishes live."""
@@ -356,10 +408,14 @@ def _describe_exit(code) -> str:
 
 
 _partial: dict = {}
+OUTPUT_SINKS: list = []   # while a %%ranks cell runs: [{(rank, stream): [text, ...]}], grouped when it ends (.magic)
 
 
 def _print_labelled(rank: int, stream: str, text: str):
     """Print a rank's output line by line, each line prefixed with ``[rank r]``."""
+    if OUTPUT_SINKS:
+        OUTPUT_SINKS[-1].setdefault((rank, stream), []).append(text)
+        return
     buf = _partial.get((rank, stream), "") + text
     *lines, rest = buf.split("\n")
     target = sys.stdout if stream == "stdout" else sys.stderr

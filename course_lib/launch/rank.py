@@ -142,6 +142,9 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
     if os.getppid() != server:
         os._exit(1)  # the fork server died before the line above armed PDEATHSIG
     _release_fork_server()
+    if port == 0:
+        from course_lib.launch import stacks
+        stacks.arm(os.path.dirname(host), rank)   # a hang's report: this rank's stack on SIGUSR1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook handles Ctrl-C and kills us
     os.environ["OMP_NUM_THREADS"] = "1"
     # gloo binds loopback by interface name: no hostname resolution, nothing reachable from outside.
@@ -174,7 +177,7 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         dist.init_process_group(name, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         starting.set()
-        conn.send(("ready", rank, {"enter": t_enter, "ready": time.time()}))
+        conn.send(("ready", rank, {"enter": t_enter, "ready": time.time(), "thread": threading.get_ident()}))
     except BaseException as exc:
         conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
         os._exit(1)

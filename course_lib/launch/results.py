@@ -21,7 +21,36 @@ class RankError(RuntimeError):
 
 
 class LaunchTimeout(RankError, TimeoutError):
-    """Some ranks did not return in time (typically: one rank skipped a collective the others wait in)."""
+    """Some ranks did not return in time (typically: one rank skipped a collective the others wait in).
+
+    When the call itself hung (not the ranks' start), every live rank's Python stack was captured at the moment of
+    the timeout, before the ranks were killed (:mod:`course_lib.launch.stacks`):
+
+    * ``stacks: dict[int, str]`` -- rank -> its main thread's stack, formatted like a traceback (outermost first);
+    * ``frames: dict[int, list[Frame]]`` -- the same as data (``file``, ``line``, ``name``, ``code``);
+    * ``waiting_on: dict[int, str]`` -- rank -> one line: the innermost line of the learner's code it waits in,
+      e.g. ``Cell In[4]:6 in step: dist.all_reduce(t)``, or ``finished the call (idle)``.
+
+    ``str(err)`` ends with the per-rank picture (:meth:`report`). All three are empty when nothing was captured.
+    """
+
+    def __init__(self, rank: int, exc_type: str, message: str, traceback_text: str = "", others: dict | None = None,
+                 frames: dict | None = None, finished=()):
+        from course_lib.launch import stacks as _stacks
+        self.frames = dict(sorted((frames or {}).items()))
+        self.stacks = {r: _stacks.format_stack(f) for r, f in self.frames.items()}
+        self.waiting_on = {r: _stacks.waiting_on(f, r in finished) for r, f in self.frames.items()}
+        if self.waiting_on:
+            message += "\n\n" + self.report()
+        super().__init__(rank, exc_type, message, traceback_text, others)
+
+    def report(self) -> str:
+        """Which line each rank was waiting on when the call timed out (full stacks in ``err.stacks``)."""
+        if not self.waiting_on:
+            return "no stacks were captured"
+        lines = ["where each rank was when the call timed out (full stacks: err.stacks[rank]):"]
+        lines += [f"  rank {r}: {w}" for r, w in self.waiting_on.items()]
+        return "\n".join(lines)
 
 
 class RunResult(list):
