@@ -15,7 +15,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
-               rank side), results, kernel_exit (a kernel that ran ranks shuts down at once)
+               rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
+               every rank), kernel_exit (a kernel that ran ranks shuts down at once)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),
@@ -33,7 +34,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure
-  bench/       wire (bytes on the wire, α-β sweep), launch, fsdp (ours vs FSDP2 vs DDP), step_time
+  bench/       wire (bytes on the wire, α-β sweep), launch, launch_kernel (fresh kernel: course vs accelerate), fsdp (ours vs FSDP2 vs DDP), step_time
                (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, two_node +
                two_node_worker (torchrun across two network namespaces)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
@@ -61,6 +62,9 @@ _imports.quicker_first_cell()   # in a Jupyter kernel: the rest of this cell's i
 from course_lib.launch import LaunchTimeout, RankError, rank_info, run, shutdown  # noqa: E402
 from course_lib.comm.ledger import CollectiveRecord, Ledger
 from course_lib.runtime.devices import banner, choose_backend, describe, setup_jax
+from course_lib.launch.magic import in_notebook_setup as _in_notebook_setup, load_ipython_extension  # noqa: E402
+
+_in_notebook_setup()   # in IPython: %%ranks registered; in a kernel the fork server starts now, in the background
 
 __all__ = [
     "run", "rank_info", "shutdown", "RankError", "LaunchTimeout",
