@@ -71,13 +71,14 @@ def dcp_folder(tmp_path_factory):
 
 # -- one owner per folder -----------------------------------------------------------------------------------
 def test_a_second_trainer_is_refused_naming_the_first_and_a_dead_owner_is_taken_over(tmp_path, capfd):
+    import course_lib.models   # noqa: F401 - what B's preflight imports, imported before A's clock starts
     ck_dir, log = tmp_path / "ck", tmp_path / "a.jsonl"
     ck_dir.mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
     (ck_dir / owner.LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid,
                                                       "run_id": "deadbeef0000", "command": "a killed trainer"}))
-    a = subprocess.Popen(TRAIN + ["--steps", "4", "--ckpt-dir", str(ck_dir), "--ckpt-every", "1", "--throttle",
+    a = subprocess.Popen(TRAIN + ["--steps", "100", "--ckpt-dir", str(ck_dir), "--ckpt-every", "1", "--throttle",
                                   "0.5", "--jsonl", str(log)], env=ENV, cwd=REPO, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -87,15 +88,15 @@ def test_a_second_trainer_is_refused_naming_the_first_and_a_dead_owner_is_taken_
             time.sleep(0.05)
         held = owner.holder(ck_dir)
         assert held["pid"] == a.pid and held["command"] == "python -m course_lib.train"
-        before = _crcs(ck_dir)
         t0 = time.monotonic()
-        assert torchrun.main(AGENT + ["--steps", "4", "--ckpt-dir", str(ck_dir), "--resume"]) == 2
+        assert torchrun.main(AGENT + ["--steps", "100", "--ckpt-dir", str(ck_dir), "--resume"]) == 2
         took = time.monotonic() - t0
         line = _one_line(capfd)
         assert line.startswith(f"course_lib.train: {ck_dir} is in use by another trainer: python -m course_lib.train, "
                                f"pid {a.pid} on {held['host']}, run {held['run_id']}"), line
         assert "point --ckpt-dir at another folder" in line and took < 10
-        assert {k: v for k, v in _crcs(ck_dir).items() if k in before} == before    # nothing of A's touched
+        assert a.poll() is None, "A finished before B was refused: raise A's --steps"
+        a.send_signal(signal.SIGTERM)                   # A saves at the end of its step and leaves, lock released
         _, err = a.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -103,7 +104,11 @@ def test_a_second_trainer_is_refused_naming_the_first_and_a_dead_owner_is_taken_
     assert a.returncode == 0, err[-3000:]
     assert f"was held by a killed trainer, pid {dead.pid}" in err and "no longer running: taken over" in err, err
     mgr = cm.Checkpointer(ck_dir)
-    assert mgr.steps() == [3, 4] and mgr.incomplete() == [] and all(cm.verify(cm.step_dir(ck_dir, s)) for s in (3, 4))
+    trained = [json.loads(r)["step"] for r in log.read_text().splitlines() if '"step"' in r]
+    last = len(trained)
+    assert trained == list(range(last)) and 1 < last < 100       # A trained every step, undisturbed, then stopped
+    assert mgr.steps() == [last - 1, last] and mgr.incomplete() == []
+    assert all(cm.verify(cm.step_dir(ck_dir, s)) for s in mgr.steps())
     assert not (ck_dir / owner.LOCK_FILE).exists() and _stray(ck_dir) == []
 
 
@@ -227,13 +232,13 @@ def test_a_full_disk_is_one_agreed_error_and_makes_room_before_retrying(tmp_path
     _save_steps(probe, (1,))
     one = sum(f.stat().st_size for f in cm.step_dir(probe.root, 1).iterdir())
     with _tmpfs(room, int(one * 2.6) // 1024 + 64):
-        said, steps = course_lib.run(_full_disk_on_ranks, str(tmp_path / "ck"), str(room / "ck"), world_size=2)
+        said, steps = zip(*course_lib.run(_full_disk_on_ranks, str(tmp_path / "ck"), str(room / "ck"), world_size=2))
         err = capfd.readouterr().err
         assert said[0] == said[1], said                      # the same error, the same words, on every rank
         assert said[0].startswith(f"CheckpointWriteError: saving step 3 to {tmp_path / 'ck'} failed on rank(s) [1] "
                                   "of 2: OSError: No space left on device"), said[0]
         assert "the last complete checkpoint is step 2. Fix: free space on that disk" in said[0]
-        assert steps == [[2, 3], [2, 3]]                     # step 1 made room; step 3 saved on the second try
+        assert steps == ([2, 3], [2, 3])                     # step 1 made room; step 3 saved on the second try
         assert f"no space left to save step 3 in {room / 'ck'}: removed step 1" in err, err
         assert all(cm.verify(cm.step_dir(room / "ck", s)) for s in (2, 3)) and not list((room / "ck").glob("*.partial"))
     mgr = cm.Checkpointer(tmp_path / "ck")

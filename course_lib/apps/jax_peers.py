@@ -62,6 +62,10 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="course_lib-peer-watch", daemon=True)
         self._thread.start()
+        local = {q: info["pid"] for q, info in self.peers.items() if info["host"] == self.host}
+        if local and hasattr(os, "pidfd_open"):   # Linux: woken the instant a peer on this host exits
+            threading.Thread(target=self._wait_for_exit, args=(local,), name="course_lib-peer-exit",
+                             daemon=True).start()
 
     # -- the thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -73,6 +77,27 @@ class PeerWatch:
             except Exception:  # noqa: BLE001 - the store is process 0's: checked below
                 pass
             self.check()
+
+    def _wait_for_exit(self, local: dict) -> None:
+        """Block on a pidfd per peer on this host: its exit wakes this thread at once -- sooner than XLA's own
+        reaction when the peer was the coordinator (its error poll aborts this process a fraction of a second
+        after the connection drops), so the line comes first."""
+        import select
+        fds = {}
+        for q, pid in local.items():
+            try:
+                fds[os.pidfd_open(pid)] = q
+            except OSError:   # already gone
+                self._lost(q, "its process is gone")
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            for fd, _ in poller.poll(500):
+                q = fds[fd]
+                if not self._done(q):
+                    self._lost(q, "its process is gone")
+                poller.unregister(fd)
 
     def check(self) -> None:
         """One look at every peer; exits the process (never returns) when one vanished."""
@@ -110,7 +135,7 @@ class PeerWatch:
                 return
             info = self.peers.get(q, {})
             last = self._last_checkpoint()
-            print(f"{self.prog}: process {q} of {self.nproc} (pid {info.get('pid', '?')} on {info.get('host', '?')}) "
+            print(f"\n{self.prog}: process {q} of {self.nproc} (pid {info.get('pid', '?')} on {info.get('host', '?')}) "
                   f"vanished ({why}) while this process {self.process} was at step {self.where.get('step')}; "
                   f"stopping (exit {PEER_LOST_EXIT}). The last complete checkpoint is {last}: start every process "
                   "again with --resume", file=sys.stderr, flush=True)
