@@ -42,7 +42,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                source notebook)                                                          <- runtime
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
-               and a quiet exit), torchrun_demo, site (the course as a static website),
+               and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm
+               batch scripts' preflight: the job's shape from Slurm's environment, checked before srun),
                grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)                                         <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,

@@ -4,6 +4,7 @@
 * :mod:`~course_lib.apps.train` -- the capstone, FSDP2 / HSDP under ``torchrun``;
 * :mod:`~course_lib.apps.train_jax` -- the capstone in JAX under ``jax.distributed``;
 * :mod:`~course_lib.apps.train_config` -- the two scripts' flags, checked before any rank trains;
+* :mod:`~course_lib.apps.slurm` -- the preflight of ``scripts/slurm/*.sbatch``: a Slurm job checked before ``srun``;
 * :mod:`~course_lib.apps.torchrun_demo` -- a data-parallel all-reduce under ``torchrun``, its ledger checked;
 * :mod:`~course_lib.apps.grading` -- ``python -m course_lib grade``: a class's labs graded with the course's checks,
   each in a sandbox, verdicts recorded where the checks decide them (intake, sandbox, guard, verdicts, report);
