@@ -17,7 +17,10 @@ position (global batches, so it means the same at any world size) and each rank'
 same world size continues bit for bit; at another world size DCP reshards on load (RNG left out: the new
 ranks never had one). SIGTERM (what SLURM and torchrun send before a kill) saves a checkpoint at the end of
 the current step, then exits. Rank 0 shows a tqdm bar, appends JSON lines to ``--jsonl`` (step, loss, tokens/s,
-MFU on a GPU, peak memory) and prints the run's collective ledger at the end.
+MFU on a GPU, peak memory) and prints the run's collective ledger at the end. One trainer per ``--ckpt-dir``:
+the folder is locked before any rank starts (:mod:`~course_lib.strategies.checkpoint.owner`; a second trainer is
+refused naming the first). Exit status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused
+before training (flags, folder, resume), a signal's 128 + n under ``course_lib.torchrun``.
 
 As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism": shard each block, then
 the root; save and load with DCP on every rank.
