@@ -143,8 +143,11 @@ class SlurmCluster:
         self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        # Only slurmd's environment carries SLURM_CONF (its steps and the jobs' processes inherit it, which is how
+        # kill_node and close find them); munged and slurmctld are told their files by flags.
+        env = self.env if name == "slurmd" else {k: v for k, v in self.env.items() if k != "SLURM_CONF"}
         log = open(self.root / f"{name}.out", "ab")
-        self._daemons[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        self._daemons[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
@@ -164,6 +167,14 @@ class SlurmCluster:
         p.kill()
         p.wait()
         return self._kill_carriers()
+
+    def wait_node_down(self, timeout: float = 60) -> float:
+        """After :meth:`kill_node`: wait until slurmctld declares the node DOWN by itself (no answer within
+        SlurmdTimeout; it requeues the node's ``--requeue`` jobs as NODE_FAIL). Returns the seconds waited
+        (~25 s here with SlurmdTimeout=5: "not responding" at ~12 s, DOWN at ~25 s)."""
+        t0 = time.monotonic()
+        self._wait_for(lambda: "down" in self.node_state(), f"node {self.node} down", timeout)
+        return time.monotonic() - t0
 
     def close(self) -> None:
         if self._daemons.get("slurmctld") and self._daemons["slurmctld"].poll() is None:
