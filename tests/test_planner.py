@@ -260,3 +260,17 @@ def test_course_gpt_shape_counts_the_course_models_parameters():
     # the activation table, counted for this GPT's ops (torch eager, SDPA): ln1 in 2d, qkv in 2d, q k v 6d,
     # attention out 2d, ln2 in 2d, fc in 2d, GELU in 2f, proj in 2f = 16d + 4f bytes per token and layer
     assert shape.activation_bytes_per_token_layer() == 16 * 1024 + 4 * 4096
+
+
+def test_frameworks_bench_prices_each_run_before_it_runs():
+    """``bench frameworks`` prints the planner's plan of each run first: torch eager / compiled (fp32 loss, SDPA's
+    kernel) and JAX (cuDNN attention, XLA's fused loss); a size it cannot read is named."""
+    from course_lib.bench import frameworks as fw
+    size = fw.parse_size("L12-d1024-b16-s1024")
+    assert (size["n_heads"], size["d_ff"], size["batch"], size["seq_len"]) == (8, 4096, 16, 1024)
+    gpu = fw.planner_gpu("NVIDIA H200")
+    eager, comp, jx = (fw.predict(size, r, gpu, "cudnn") for r in ("torch", "compiled", "jax"))
+    assert eager.step_s > comp.step_s > jx.step_s and jx.allocated < eager.allocated
+    assert fw.planner_gpu("NVIDIA H100 80GB HBM3") is planner.H100 and fw.planner_gpu("Tesla T4") is None
+    with pytest.raises(ValueError, match="L12-d1024-b16-s1024"):
+        fw.parse_size("12x1024")

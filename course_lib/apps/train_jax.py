@@ -86,6 +86,9 @@ def make_step(mesh, rule, bf16: bool, remat: bool, model, opt):
         if bf16:   # compute copy in bf16; the cast is differentiable, so gradients arrive in fp32
             gd, st = nnx.split(model)
             model = nnx.merge(gd, jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, st))
+            for _, m in nnx.iter_modules(model):   # nnx.Embed fixed its compute dtype (fp32) when it was built: a
+                if getattr(m, "dtype", None) == jnp.float32:   # bf16 table still gave fp32 activations, and every
+                    m.dtype = jnp.bfloat16                      # layer after it promoted to fp32 (measured on H100)
         logits = forward(model, x, remat).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 

@@ -41,6 +41,16 @@ def _flax() -> types.SimpleNamespace:
     def gelu(x):  # exact GELU, written as torch writes F.gelu: x/2 (1 + erf(x/sqrt 2))
         return 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
 
+    def _fused_attention(q, dropout) -> bool:
+        """cuDNN's fused attention where it exists and computes what the einsums compute: a GPU, bf16 or fp16
+        (cuDNN's flash kernels take no fp32), head_dim a multiple of 8 up to 128, no attention dropout. It never
+        writes the [B, H, T, T] score matrix (the einsums save it and its softmax for backward: 2.1x torch's
+        memory at T = 1024) and runs FlashAttention's tiling, as torch's SDPA does. Decided while tracing, so
+        CPU programs -- and every number the tests compare -- keep the einsum path."""
+        hd = q.shape[-1]
+        return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and hd % 8 == 0
+                and hd <= 128 and not dropout)
+
     def layer_norm(cfg, rngs):  # two-pass variance, as torch computes it (Flax's default is E[x²] − E[x]²)
         return nnx.LayerNorm(cfg.d_model, epsilon=LN_EPS, use_fast_variance=False, rngs=rngs)
 
@@ -54,6 +64,9 @@ def _flax() -> types.SimpleNamespace:
         def __call__(self, x, rngs=None):
             B, T, C = x.shape  # batch, time, channels
             q, k, v = (t.reshape(B, T, self.n_heads, -1) for t in jnp.split(self.qkv(x), 3, axis=-1))  # [B, T, H, hd]
+            if _fused_attention(q, self.attn_drop.rate):  # GPU, bf16/fp16: cuDNN's flash attention
+                y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # [B, T, H, hd]
+                return self.resid_drop(self.proj(y.reshape(B, T, C)), rngs=rngs)
             att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(C // self.n_heads)  # [B, H, T, T], SDPA's scale
             att = jnp.where(jnp.tril(jnp.ones((T, T), dtype=bool)), att, -jnp.inf)    # causal: no peeking ahead
             y = jnp.einsum("bhqk,bkhd->bqhd", self.attn_drop(jax.nn.softmax(att, axis=-1), rngs=rngs), v)
