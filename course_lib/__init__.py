@@ -35,7 +35,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure
   bench/       wire (bytes on the wire, α-β sweep), launch, launch_kernel (fresh kernel: course vs accelerate), fsdp (ours vs FSDP2 vs DDP), step_time
-               (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, two_node +
+               (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, frameworks (torch eager / compiled / JAX on one
+               GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
   authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
