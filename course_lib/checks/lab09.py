@@ -266,7 +266,7 @@ def check_diverged_ranks(fn, name: str = "diverged_ranks", world_size: int = 4) 
                                   "that differ from rank 0, the same answer on every rank, in one collective") as c:
         answers, calls = [], []
         for k, (what, _, want) in enumerate(DRIFT_CASES):
-            res = run(_drift_on_rank, fn, k, world_size=world_size)
+            res = run(_drift_on_rank, fn, k, world_size=world_size, timeout=120)
             got = [_norm(a) for a in res]
             per_rank = len(res.ledger.filter(rank=0))
             answers.append(got[0])
@@ -420,6 +420,16 @@ def step_ledger(params, m_specs, mesh):
     return jax_ledger.from_compiled(compiled, mesh)
 
 
+_REFERENCE_LEDGER: dict = {}   # device ids -> the reference step's ledger (one compile per process, not per check)
+
+
+def _reference_ledger(params, mesh):
+    key = tuple(d.id for d in mesh.devices.flat)
+    if key not in _REFERENCE_LEDGER:
+        _REFERENCE_LEDGER[key] = step_ledger(params, reference_spec_fix(params), mesh)
+    return _REFERENCE_LEDGER[key]
+
+
 def reference_spec_fix(params):
     """Each momentum laid out exactly as its parameter."""
     return {k: p.sharding.spec for k, p in params.items()}
@@ -465,13 +475,13 @@ def check_spec_fix(fn, name: str = "spec_fix") -> bool:
                 same[k] = False
         bad = [k for k in params if not same[k]]
         if not bad:
-            want = step_ledger(params, reference_spec_fix(params), mesh)
+            want = _reference_ledger(params, mesh)
             got = step_ledger(params, specs, mesh)
             assert got.counts() == want.counts(), f"the step's collectives {dict(got.counts())} vs {dict(want.counts())}"
         else:
             k, p = bad[0], params[bad[0]]
             try:
-                want = step_ledger(params, reference_spec_fix(params), mesh)
+                want = _reference_ledger(params, mesh)
                 extra = step_ledger(params, specs, mesh).counts() - want.counts()
                 moved = ", ".join(f"{op} x{n}" for op, n in sorted(extra.items()))
                 where = f"XLA adds {moved} to every step" if moved else "laid out unlike its parameter"
