@@ -1,5 +1,6 @@
 """The grader's box around one notebook: memory limit, notebook time limit, every process ended and counted,
-files written in the scratch folder. A three-cell notebook, no lab: a few seconds of kernel time."""
+files written in the scratch folder. A three-cell notebook, no lab: a few seconds of kernel time. (Under
+bubblewrap when it is installed, the default; the hostile cases are tests/test_grade_hostile.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,8 @@ def test_memory_limit_files_and_escaped_processes(tmp_path):
     assert run.stopped is None
     assert _errors(nb.cells[0]) == ["MemoryError"]
     assert _text(nb.cells[1]).strip() == str(tmp_path) and (tmp_path / "written.txt").read_text() == "here"
-    assert run.processes >= 2 and run.leftovers >= 1                       # the kernel, and the sleep it left
-    assert tagged_processes(run.tag) == []
+    assert run.processes >= 2                      # the kernel and the sleep it left, counted while the kernel ran
+    assert tagged_processes(run.tag) == []         # the sleep died with the box (or was killed by the reaper)
 
 
 def test_a_cell_over_its_limit_is_interrupted_and_the_notebook_goes_on(tmp_path):

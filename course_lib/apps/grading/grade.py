@@ -24,7 +24,7 @@ import nbformat
 from course_lib.apps.grading import verdicts as grading
 from course_lib.apps.grading.intake import Submission, find_submissions, is_check_cell
 from course_lib.apps.grading.report import Graded, summary_table, write_csv, write_html
-from course_lib.apps.grading.sandbox import BoxedRun, Limits, bwrap_problem, run_boxed
+from course_lib.apps.grading.sandbox import BoxedRun, Limits, bwrap_problem, run_boxed, warm_bytecode
 from course_lib.checks import registry
 
 __all__ = ["grade", "read_results", "cmd_grade"]
@@ -139,6 +139,8 @@ def grade(paths: list[Path], labs_dir: Path, limits: Limits = Limits(), jobs: in
     With ``out``, write ``grades.csv``, ``report.html`` and ``notebooks/`` there."""
     subs, refused = find_submissions(paths, labs_dir)
     registry.exercises()         # import every lab's checks now, not inside the event loop the kernels share
+    if subs and limits.sandbox:
+        warm_bytecode(jax=any("jax" in c.source for s in subs for c in s.lab.nb.cells))
     rows = asyncio.run(_grade_all(subs, limits, jobs, None if out is None else Path(out) / "notebooks", progress))
     rows += [Graded(r.learner or "?", "", str(r.path), error=r.error) for r in refused]
     if out is not None:

@@ -43,6 +43,7 @@ from course_lib.apps.grading import limits as limits_script
 from course_lib.apps.grading.kernel import TAG_VAR, capped_client, GuardChannel, kernel_environment, kernel_manager_class
 
 __all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "bwrap_problem", "bwrap_args",
+           "warm_bytecode",
            "TAG_VAR", "TIMEOUT_ENAME"]
 
 TIMEOUT_ENAME = "CellTimeout"
@@ -85,6 +86,23 @@ class BoxedRun:
     records: list[dict] = field(default_factory=list)          #: what the guard wrote (see :mod:`.guard`)
     nonce: str = ""                #: what the guard's integrity record must echo
     sandboxed: bool = False
+
+
+#: What a lab's kernel imports, whatever the lab (JAX's stack is added for the labs that use it).
+KERNEL_IMPORTS = ("ipykernel.kernelapp", "ipykernel.comm", "IPython", "matplotlib.pyplot", "matplotlib_inline.backend_inline",
+                  "ipywidgets", "numpy", "torch", "torch.distributed", "tqdm.auto", "course_lib", "course_lib.checks.registry")
+JAX_IMPORTS = ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint")
+
+
+def warm_bytecode(jax: bool = False) -> None:
+    """Import what a kernel imports once, outside the box, with bytecode writing on: inside, the venv is read-only,
+    so a module without its ``.pyc`` would be compiled again by every kernel (seconds each, on a fresh install).
+    The grader's user owns the venv; where it does not, this writes nothing and costs one import pass."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = str(COURSE_ROOT)
+    names = KERNEL_IMPORTS + (JAX_IMPORTS if jax else ())
+    code = "import importlib\nfor n in %r:\n    try:\n        importlib.import_module(n)\n    except Exception:\n        pass" % (names,)
+    subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600)
 
 
 # ------------------------------------------------------------------------------------------------ bubblewrap
