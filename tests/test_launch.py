@@ -69,7 +69,7 @@ def test_ranks_inherit_the_fork_servers_imports_frozen_and_their_collector_on():
     (launch.preload): each rank starts with it imported and still frozen (its collections skip the shared
     pages), and its collector on."""
     results = launch.run(_what_the_rank_inherited, world_size=2)
-    preloaded = "torch._dynamo" in pool._SERVER["modules"]       # "auto": as this process had imported it
+    preloaded = "torch._dynamo" in pool._SERVER["modules"]       # "full" (the default) lists it; "auto" if imported here
     assert [(on, dynamo) for on, _, dynamo in results] == [(True, preloaded)] * 2
     assert all(frozen > 100_000 for _, frozen, _ in results), results
 
@@ -173,10 +173,10 @@ def _rendezvous():
 
 
 def test_auto_preload_is_minimal_plus_what_the_notebook_imported_never_jax(monkeypatch):
-    """COURSE_LIB_PRELOAD=auto (the default): torch-only work preloads torch alone; a lab that imported FSDP gets it
+    """COURSE_LIB_PRELOAD=auto: torch-only work preloads torch alone; a lab that imported FSDP gets it
     preloaded; JAX never (no rank needs it); a wrong mode is named with the choices."""
     import sys
-    monkeypatch.delenv("COURSE_LIB_PRELOAD", raising=False)
+    monkeypatch.setenv("COURSE_LIB_PRELOAD", "auto")
     fsdp = "torch.distributed.fsdp"
     monkeypatch.delitem(sys.modules, fsdp, raising=False)
     assert fsdp not in pool.preload_modules()

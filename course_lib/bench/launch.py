@@ -128,7 +128,7 @@ def main(argv=None):
             print("launch failed:", exc)
         fresh.append(time.perf_counter() - t)
     exits = launch.shutdown()
-    print(f"ranks={a.ranks}  torch imported first={a.torch_first}  fork-server preload={os.environ.get('COURSE_LIB_PRELOAD', 'auto')}  "
+    print(f"ranks={a.ranks}  torch imported first={a.torch_first}  fork-server preload={os.environ.get('COURSE_LIB_PRELOAD', 'full')}  "
           f"cores={os.cpu_count()}  load average={os.getloadavg()[0]:.2f}")
     totals = [c["total"] for c in colds]
     print(f"cold start (new interpreter -> first all-reduce on {a.ranks} ranks): median {statistics.median(totals):.2f} s"

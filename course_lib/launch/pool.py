@@ -60,11 +60,12 @@ _STORE_PREFIX = "course_lib-store-"
 # notebook side
 # ---------------------------------------------------------------------------------------------
 #: What the fork server imports once for every rank (:mod:`.preload`, the garbage collector paused and frozen).
-#: "auto" (the default): "minimal", plus those of "full"'s extras the notebook itself has imported when the server
-#: starts -- a lab preloads what it uses (FSDP, DTensor, optimizers, the course's models) and a torch-only first
-#: call pays for torch alone; JAX is never imported for the ranks. Whatever the ranks import beyond it, each
-#: imports at its first use. "full" adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports)
-#: and the course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
+#: "full" (the default) adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports) and the
+#: course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
+#: "auto": "minimal", plus those of "full"'s extras the notebook itself imported when the server starts (so a
+#: torch-only first call pays for torch alone; JAX never). Not the default: a lab whose ranks then import FSDP
+#: themselves while the notebook computes (Lab 05 starts its ranks from a thread beside JAX) was measured stuck
+#: 45 s in that import on 4 ranks under nbval -n 2 (2026-11-27). "minimal" makes the first call ~0.6 s faster.
 PRELOAD = {
     "minimal": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger"],
     "full": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger", "torch.distributed.fsdp",
@@ -75,7 +76,7 @@ _PRELOAD_ENV = "COURSE_LIB_PRELOAD_MODULES"   # the fork server's module list, a
 
 def preload_modules(mode: str | None = None) -> list:
     """The modules a fork server started now would import, for ``COURSE_LIB_PRELOAD`` (auto, minimal, full)."""
-    mode = mode or os.environ.get("COURSE_LIB_PRELOAD", "auto")
+    mode = mode or os.environ.get("COURSE_LIB_PRELOAD", "full")
     if mode == "auto":
         return PRELOAD["minimal"] + [m for m in PRELOAD["full"] if m not in PRELOAD["minimal"] and m in sys.modules]
     if mode not in PRELOAD:
