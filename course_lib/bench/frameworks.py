@@ -247,13 +247,15 @@ def main(argv=None) -> int:
     if cuda:
         out["ceilings"] = c = ceilings()
         attention = c["sdpa_backend"]
-        print(f"{name}, torch {torch.__version__}: matmul {c['matmul_tflops']:.0f} TFLOP/s, copy {c['copy_tb_s']:.2f} TB/s, "
+        print(f"{name}, torch {torch.__version__}: matmul {c['matmul_tflops']:.0f} TFLOP/s, "
+              f"copy {c['copy_tb_s']:.2f} TB/s, "
               f"SDPA causal fwd+bwd {c['sdpa_tflops_s1024']:.0f} TFLOP/s at 1K, {c['sdpa_tflops_s8192']:.0f} at 8K "
               f"({attention}: {c['sdpa_kernels_s1024'][:2]})", flush=True)
         if gpu:
             print(f"planner's rates ({gpu.name}): matmul {gpu.matmul_rate(1024) / 1e12:.0f} TFLOP/s at d=1024, "
                   f"attention {gpu.attention_rate(1024, attention) / 1e12:.0f} at 1K, "
-                  f"{gpu.attention_rate(8192, attention) / 1e12:.0f} at 8K, HBM {gpu.stream_bytes_per_s / 1e12:.2f} TB/s",
+                  f"{gpu.attention_rate(8192, attention) / 1e12:.0f} at 8K, "
+                  f"HBM {gpu.stream_bytes_per_s / 1e12:.2f} TB/s",
                   flush=True)
     path = os.path.join(a.out, "frameworks.json")
     for size in sizes:
@@ -290,7 +292,8 @@ def main(argv=None) -> int:
                 print(f"profile {key}: {r['error']}", flush=True)
             else:
                 fams = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["by_family_ms"].items(), key=lambda kv: -kv[1]))
-                print(f"profile {key} ({sizes[0]['n_layers']}L d{sizes[0]['d_model']}): wall {r['wall_ms']:.1f} ms/step, "
+                print(f"profile {key} ({sizes[0]['n_layers']}L d{sizes[0]['d_model']}): "
+                      f"wall {r['wall_ms']:.1f} ms/step, "
                       f"GPU busy {r['gpu_ms']:.1f} ms: {fams}", flush=True)
                 for ms, k, n in r["top"][:6]:
                     print(f"   {ms:7.2f} ms  x{n:<4} {k}", flush=True)

@@ -44,9 +44,9 @@ def _flax() -> types.SimpleNamespace:
     def _fused_attention(q, dropout) -> bool:
         """cuDNN's fused attention where it exists and computes what the einsums compute: a GPU, bf16 or fp16
         (cuDNN's flash kernels take no fp32), head_dim a multiple of 8 up to 128, no attention dropout. It never
-        writes the [B, H, T, T] score matrix (the einsums save it and its softmax for backward: 4 GiB per layer in bf16
-        at 2 x 8192 tokens and 8 heads) and runs FlashAttention's tiling, as torch's SDPA does (its cuDNN backend). Decided while tracing, so
-        CPU programs -- and every number the tests compare -- keep the einsum path."""
+        writes the [B, H, T, T] score matrix (the einsums save it and its softmax for backward: 4 GiB per layer
+        in bf16 at 2 x 8192 tokens and 8 heads) and runs FlashAttention's tiling, as torch's SDPA does (its cuDNN
+        backend). Decided while tracing, so CPU programs -- and every number the tests compare -- keep the einsums."""
         hd = q.shape[-1]
         return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and hd % 8 == 0
                 and hd <= 128 and not dropout)
