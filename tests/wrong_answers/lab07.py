@@ -268,3 +268,27 @@ set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=
           target("jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, fsdp_jax.fsdp_spec(x.shape, mesh.shape)))"),
           TARGET, "mesh.shape (a dict) where fsdp_spec wants the number of devices", ("TypeError",)),
 ]
+
+# -- round 3: the optimizer through its plain state_dict() / load_state_dict() under FSDP ---------------------------
+WRONG += [
+    Wrong("07", "AppState", "restore", "keyed by position", app(save="""\
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return {"model": get_model_state_dict(self.model), "optim": self.optimizer.state_dict(),   # mixed APIs
+                "sched": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                "rng": {f"rank{dist.get_rank()}": torch.get_rng_state()}}
+""", load="""\
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(self.model, sd["model"])
+        self.optimizer.load_state_dict(sd["optim"])   # the fresh optimizer's template: no state to load into
+        self.scheduler.load_state_dict(sd["sched"])
+        self.data.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng"][f"rank{dist.get_rank()}"])
+"""), APP, "the model through DCP's API, the optimizer through its plain (positional, empty when fresh) state dict"),
+    Wrong("07", "load_resharded", "restore", "optimizer not restored", load("""\
+osd = optimizer.state_dict()                     # "a backup": taken before the load, so empty
+sd = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+dcp.load(sd, checkpoint_id=path)
+set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+optimizer.load_state_dict(osd)                   # restores the empty state over the loaded one
+"""), LOAD, "an empty plain state dict loaded last, over the right one: right at dcp.load, wrong after"),
+]
