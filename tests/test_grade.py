@@ -109,7 +109,9 @@ def test_each_submission_gets_its_verdicts(graded):
     assert dave["storage_bytes"]["verdict"] == "crashed" and "ZeroDivisionError" in dave["storage_bytes"]["detail"]
     assert dave["gather / free"]["verdict"] == "crashed" and "kernel died" in dave["gather / free"]["detail"]
     ann = {r["item"]: r for r in rows if r["learner"] == "ann" and r["kind"] == "exercise"}
-    assert ann["storage_bytes"]["verdict"] == "crashed" and "CellTimeout" in ann["storage_bytes"]["detail"]
+    assert ann["storage_bytes"]["verdict"] == "crashed"
+    # her own cell's timeout, or (on a loaded machine) the set-up cell's before it: either way a cell limit, named
+    assert "CellTimeout" in ann["storage_bytes"]["detail"] or "cell limit" in ann["storage_bytes"]["detail"]
     assert ann["sharded_step"]["verdict"] == "not attempted"           # the lab went on after the interrupt
     (erin,) = [r for r in rows if r["learner"] == "erin"]
     assert erin["kind"] == "error" and erin["detail"].startswith("broken JSON")
