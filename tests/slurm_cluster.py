@@ -139,8 +139,13 @@ class SlurmCluster:
         self.start_slurmd()
         self._wait_for(lambda: self.node_state() == "idle", f"node {self.node} idle", 30)
 
-    def start_slurmd(self) -> None:
+    def start_slurmd(self, wait: bool = False) -> None:
+        """Start the node's slurmd; ``wait``: until slurmctld has it back (idle). A restarted node must have
+        registered before a job is started on it: a batch job launched in between was cancelled "due to node
+        failure" when the registration arrived, and ended FAILED (JobLaunchFailure), not requeued (seen here)."""
         self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
+        if wait:
+            self._wait_for(lambda: self.node_state() == "idle", f"node {self.node} idle again", 60)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # Only slurmd's environment carries SLURM_CONF (its steps and the jobs' processes inherit it, which is how

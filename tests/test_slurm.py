@@ -170,7 +170,7 @@ def test_torch_job_preempted_then_node_killed_resumes_exactly(cluster, torch_ref
     last_logged = max(r["step"] for r in in_flight)
     down_s = cluster.wait_node_down()
     states = [cluster.job(job).get("JobState")]
-    cluster.start_slurmd()
+    cluster.start_slurmd(wait=True)
     t_back = time.monotonic()
     cluster.release(job, 2)
     t_running3 = time.monotonic()
