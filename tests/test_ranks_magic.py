@@ -56,9 +56,11 @@ def test_state_lives_across_cells_output_grouped_result_and_ledger(kernel):
     content, _ = _cell(kc, "import course_lib")
     assert content["status"] == "ok"
     content, out = _cell(kc, "%%ranks -n 2\nimport torch, torch.distributed as dist\n"
-                             "x = torch.ones(2) * (dist.get_rank() + 1)\nprint('built')\nprint('I am', dist.get_rank())")
+                             "x = torch.ones(2) * (dist.get_rank() + 1)\nprint('built')")
     assert content["status"] == "ok", content
-    assert "[ranks 0,1] built\n" in out and "[rank 0] I am 0\n" in out and "[rank 1] I am 1\n" in out, out
+    assert "[ranks 0,1] built\n" in out and "[rank 0] built" not in out, out   # the same on every rank: once
+    content, out = _cell(kc, "%%ranks -n 2\nprint('I am', dist.get_rank())")
+    assert "[rank 0] I am 0\n[rank 1] I am 1\n" in out, out
     content, out = _cell(kc, "%%ranks -n 2\ndist.all_reduce(x)\nx.sum().item()")     # x from the cell before
     assert content["status"] == "ok" and "[6.0, 6.0]" in out, (content, out)
     content, out = _cell(kc, "print(type(_ranks).__name__, [r.op for r in _ranks.ledger], _ranks.ledger.ranks())")
@@ -71,17 +73,19 @@ def test_raise_and_exit_name_the_rank_and_the_line(kernel):
     assert content["status"] == "error" and content["ename"] == "RankError", content
     tb = "\n".join(content["traceback"])
     assert "rank 1 raised ValueError: bad shard 17" in content["evalue"], content["evalue"]
-    assert "line 4" in content["evalue"] and "raise ValueError('bad shard 17')" in content["evalue"], content["evalue"]
+    assert '"<ranks cell' in content["evalue"] and "line 3" in content["evalue"], content["evalue"]
+    assert "raise ValueError('bad shard 17')" in content["evalue"], content["evalue"]
     content, out = _cell(kc, "%%ranks -n 2\nimport sys, torch.distributed as dist\nif dist.get_rank() == 0:\n"
                              "    sys.exit(3)")
     assert content["status"] == "error" and "rank 0 raised SystemExit: 3" in content["evalue"], content
-    assert "line 4" in content["evalue"] and "sys.exit(3)" in content["evalue"], content["evalue"]
-    assert "variables from earlier %%ranks cells are gone" in out, out      # the raise restarted the ranks
+    assert "line 3" in content["evalue"] and "sys.exit(3)" in content["evalue"], content["evalue"]
+    content, out = _cell(kc, "%%ranks -n 2\nimport torch, torch.distributed as dist")
+    assert "variables from earlier %%ranks cells are gone" in out, out      # the faults restarted the ranks
 
 
 def test_hang_ends_at_the_timeout_naming_collective_rank_and_line_and_nothing_is_left(kernel):
     km, kc = kernel
-    _cell(kc, "%%ranks -n 2\nimport torch, torch.distributed as dist")     # warm ranks
+    assert _cell(kc, "%%ranks -n 2\n1")[0]["status"] == "ok"           # warm ranks (the test above started them)
     before = _descendants(km)
     t0 = time.monotonic()
     content, _ = _cell(kc, "%%ranks -n 2 --timeout 1\nif dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1))")
@@ -89,7 +93,7 @@ def test_hang_ends_at_the_timeout_naming_collective_rank_and_line_and_nothing_is
     assert content["status"] == "error" and content["ename"] == "LaunchTimeout", content
     ev = content["evalue"]
     assert "rank 0 waits in all_reduce #1 (4 B); rank 1 never issued it" in ev, ev
-    assert "rank 0: <ranks cell" in ev and ":3 in <module>: dist.all_reduce(torch.ones(1))" in ev, ev
+    assert "rank 0: <ranks cell" in ev and ":2 in <module>: dist.all_reduce(torch.ones(1))  (inside all_reduce)" in ev, ev
     assert "rank 1: finished the call (idle)" in ev, ev
     assert took < 1 + 2 + 1, took            # the timeout + 2 s, + the round trip through the kernel's channels
     assert not _gone(_ranks_of(before), 1.0), "a rank outlived the hang"
@@ -115,7 +119,9 @@ def test_ctrl_c_returns_within_2_s_and_leaves_no_rank(kernel):
 def test_kernel_kill_leaves_no_process(kernel):
     km, kc = kernel
     content, _ = _cell(kc, "%%ranks -n 2\n1")                         # ranks up, the fork server, the tracker
-    assert content["status"] == "ok"
+    if content["status"] == "aborted":     # ipykernel drops a request that arrives just after an interrupt's error
+        content, _ = _cell(kc, "%%ranks -n 2\n1")
+    assert content["status"] == "ok", content
     everything = _descendants(km)
     assert len(everything) >= 3, everything
     km.shutdown_kernel(now=True)                                      # SIGKILL: no shutdown handler runs

@@ -47,7 +47,22 @@ def exec_cell(source: str, filename: str, pushed: dict | None = None):
     value = None
     if last is not None:
         value = eval(compile(ast.Expression(last.value), filename, "eval"), _NAMESPACE)
+        try:
+            import cloudpickle
+            cloudpickle.dumps(value)
+        except Exception:  # noqa: BLE001 - a model, a process group: the notebook shows its repr
+            value = _Repr(repr(value))
     return os.getpid(), value
+
+
+class _Repr:
+    """A rank's value that cannot travel to the notebook, shown there by its repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
 
 
 _PARSER = argparse.ArgumentParser(prog="%%ranks", add_help=False)
@@ -78,6 +93,9 @@ def ranks(line: str, cell: str):
     pool.OUTPUT_SINKS.append(sink)
     try:
         result = pool.run(exec_cell, cell, filename, pushed, **kwargs)
+    except KeyboardInterrupt:
+        # the ranks are stopped already; a traceback without the launcher's frames: IPython formats it faster
+        raise KeyboardInterrupt("the ranks were stopped; the next %%ranks cell starts new ones") from None
     finally:
         pool.OUTPUT_SINKS.remove(sink)
         _print_grouped(sink)
