@@ -24,18 +24,19 @@ private names borrowed across modules). Lowest first, each with what it may impo
                was born: a forward hook on every module)                     <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
                dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
-               checkpoint/ {torch (DCP), jax (Orbax), manager, resumable, safetensors, names}: write then
-               commit; one safetensors file for torch and Flax under the canonical names (names: the adapters)
+               checkpoint/ {torch (DCP), jax (Orbax), manager, owner, resumable, safetensors, names}: write then
+               commit; one owner per folder (owner: an fcntl lock); one safetensors file for torch and Flax under
+               the canonical names (names: the adapters)
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
-               declared once), grading (a run's printed lines -> a verdict per exercise, a score per
-               prediction), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
+               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
                lab06_tp (Lab 06's PyTorch tensor-parallel exercise)
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure
   bench/       wire (bytes on the wire, α-β sweep), launch, launch_kernel (fresh kernel: course vs accelerate), fsdp (ours vs FSDP2 vs DDP), step_time
-               (predicted vs measured), timeline (profiler trace: overlap), gpu_mfu, frameworks (torch eager / compiled / JAX on one
+               (predicted vs measured), timeline (profiler trace: overlap), progress (bars and clocks for long
+               cells), gpu_mfu, frameworks (torch eager / compiled / JAX on one
                GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets
@@ -45,7 +46,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
                and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm
                batch scripts' preflight: the job's shape from Slurm's environment, checked before srun),
-               grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)                                         <- everything
+               jax_peers (a JAX process that vanished, named before XLA aborts),
+               grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)
+                                                                                             <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
 ``train``, ``train_jax``, ``torchrun``, ``torchrun_demo`` -- which hand over to ``apps`` so ``python -m course_lib.train``

@@ -6,6 +6,9 @@ checks everything it can from the flags and the launcher's environment alone (``
 torchrun, process count x local devices under ``jax.distributed``), and :func:`check_resume` compares a
 checkpoint's recorded configuration with the new one *before* the model is built. Every error names the
 values involved and the fix. Importing this module imports neither torch nor JAX.
+
+Longer than ~300 lines: every check a run's inputs get before any rank starts (flags, ranks the machine can hold,
+the checkpoint folder's record and framework) lives here, so the two scripts and the launcher ask one module.
 """
 from __future__ import annotations
 
