@@ -20,6 +20,9 @@ complete; ``--resume`` names any unfinished ``<step>.orbax-checkpoint-tmp`` (a p
 restores the newest complete step with every array laid out for the *current* mesh, so 2 processes x 2
 devices resumes at 1 x 2 or 1 x 4. As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data
 Parallelism", the same saved state fits any layout.
+
+Longer than ~300 lines: one program's life -- its processes, mesh, jitted step over the split state, checkpoint
+folder checks and resume -- reads best top to bottom, as :mod:`course_lib.apps.train` does for torch.
 """
 from __future__ import annotations
 

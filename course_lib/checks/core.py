@@ -20,6 +20,9 @@ duck-typed (``exc_type``, ``rank``, ``traceback_text``), so this module needs no
 
 Vocabulary: *got* is the learner's value, *expected* (or *reference*) the single-device answer.
 Comparing them (tolerances, detectors of likely mistakes) is :mod:`course_lib.checks.compare`.
+
+Longer than ~300 lines: the three outcomes, the hints, the folded traceback and the observers all meet in
+:class:`check`'s exit; split, each part would reach into the others' state.
 """
 from __future__ import annotations
 
