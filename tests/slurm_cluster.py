@@ -273,6 +273,11 @@ class SlurmCluster:
         requeued job ~120 s (its BeginTime; 121 s measured here with 22.05), which an admin may lift exactly
         so. Returns the job once it runs again."""
         self.wait(job_id, "PENDING", timeout, until=lambda i: i.get("Restarts") == str(restarts))
+        # Released at once, the new start raced the old one's end: slurmd refused it ("Job credential revoked":
+        # its revocation of the killed start is stamped to the second) and the job ended FAILED. Slurm's own hold
+        # avoids that; here: the node empty again, then a 2 s margin.
+        self._wait_for(lambda: self.node_state() == "idle", f"node {self.node} idle after the requeue", timeout)
+        time.sleep(2)
         self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
         return self.wait(job_id, "RUNNING", timeout)
 
