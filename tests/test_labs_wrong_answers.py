@@ -1,4 +1,4 @@
-"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, Labs 00-06.
+"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, Labs 00-06 and 09.
 
 Each lab is executed top to bottom, as a learner would run it, with exercises' stubs replaced by plausible
 wrong answers and checks in lab mode (``COURSE_LIB_STRICT_CHECKS=0``): every cell must run (the lab falls
@@ -9,7 +9,8 @@ finds each exercise's cell; this file holds only the wrong answers.
 These runs are also the labs' "as received" runs: the root ``conftest.py`` leaves ``labs/00``-``06`` out of
 nbval's collection, since each is executed here top to bottom as shipped except for its exercise cells (a stub
 and a wrong answer take the same fallback: the check returns False). Each check's ⏳ for a stub is asserted by
-its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shipped under nbval.
+its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shipped under nbval. Lab 09's wrong
+answers are picked from its held-out catalogue (``tests/wrong_answers/lab09.py``), one per exercise.
 """
 from __future__ import annotations
 
@@ -210,6 +211,17 @@ def tp_plan(n_heads, d_ff, tp, nodes, gpus_per_node):
     return (nodes * gpus_per_node // tp, tp), ("dp_shard", "tp"), plan
 """),
 ]
+
+def _from_catalogue(lab: str, picks: dict[str, str]) -> list[tuple]:
+    """One wrong answer per exercise, taken from the held-out catalogue (tests/wrong_answers/labNN.py) by tag."""
+    import importlib
+    catalogue = importlib.import_module(f"wrong_answers.lab{lab}").WRONG
+    return [(w.lab, w.exercise, w.tag, list(w.more), w.source) for name, tag in picks.items()
+            for w in [next(w for w in catalogue if (w.exercise, w.tag) == (name, tag))]]
+
+
+WRONG += _from_catalogue("09", {"hang_report": "outermost frame", "diverged_ranks": "not the first parameter",
+                                "first_nonfinite": "list order", "spec_fix": "replicated state"})
 LABS = sorted({lab for lab, *_ in WRONG})
 
 
