@@ -69,6 +69,12 @@ RUNS = {
     "python -m course_lib grade": (HERE + "test_make_site_and_grade_a_stub", '"grade"'),
     "python -m course_lib.train": (HERE + "test_capstone_help_and_a_two_step_run", "course_lib.train"),
     "python -m course_lib.train_jax": (HERE + "test_capstone_help_and_a_two_step_run", "course_lib.train_jax"),
+    # a GPU benchmark: on CPU its test checks the plan printed before each run and the runs it would start
+    "python -m course_lib bench frameworks": ("tests/test_planner.py::test_frameworks_bench_prices_each_run_before_it_runs",
+                                              "frameworks"),
+    # the sbatch scripts' preflight, run before srun
+    "python -m course_lib.apps.slurm": ("tests/test_slurm.py::test_preflight_refuses_in_one_line_without_a_cluster",
+                                        "SLURM_JOB_ID"),
 }
 
 
