@@ -6,6 +6,7 @@ simulated devices here, before any test module is imported; tests that need anot
 subprocess.
 """
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -33,3 +34,13 @@ def torch_reference(tmp_path_factory):
 def jax_reference(tmp_path_factory):
     """The JAX capstone, 2 processes x 2 devices, 8 steps, checkpoints at 4 and 8, never stopped (shared)."""
     return reference_runs.once(tmp_path_factory, "jax", reference_runs.jax_run)
+
+
+@pytest.fixture
+def kernel_sigint():
+    """Ctrl-C as a Jupyter kernel delivers it: SIGINT raises KeyboardInterrupt in the main thread. A pytest-xdist
+    worker that ran other files first may hold another SIGINT handler by then (seen in full runs of the suite:
+    the simulated Ctrl-C never reached run()); this test is about run(), so it sets the kernel's handler itself."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

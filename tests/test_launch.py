@@ -132,16 +132,6 @@ def _sleep_long():
     time.sleep(60)
 
 
-@pytest.fixture
-def kernel_sigint():
-    """Ctrl-C as a Jupyter kernel delivers it: SIGINT raises KeyboardInterrupt in the main thread. A pytest-xdist
-    worker that ran other files first may hold another SIGINT handler by then (seen in full runs of the suite:
-    the simulated Ctrl-C never reached run()); this test is about run(), so it sets the kernel's handler itself."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
-
-
 @serial
 def test_interrupt_kills_the_pool_and_next_call_works(kernel_sigint):
     launch.run(_rank_sum, 0.0, world_size=2)

@@ -17,16 +17,6 @@ from course_lib.launch import pool
 pytestmark = pytest.mark.serial
 
 
-@pytest.fixture
-def kernel_sigint():
-    """Ctrl-C as a Jupyter kernel delivers it: SIGINT raises KeyboardInterrupt in the main thread. A pytest-xdist
-    worker that ran other files first may hold another SIGINT handler by then (seen in full runs of the suite:
-    the simulated Ctrl-C never reached run()); this test is about run(), so it sets the kernel's handler itself."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
-
-
 def test_interrupt_in_process_during_start_then_next_call_works(monkeypatch, kernel_sigint):
     """Ctrl-C lands while the ranks are starting (forked, not yet ready): the half-started pool is
     killed, no rank is left, and the next call starts a fresh pool. The interrupt is sent from inside
