@@ -29,19 +29,20 @@ private names borrowed across modules). Lowest first, each with what it may impo
                the canonical names (names: the adapters)
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
-               declared once), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
+               declared once), judge (each check as a run half and a judge half), plain (the plain data between them), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
                lab06_tp (Lab 06's PyTorch tensor-parallel exercise)
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure
+  authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
+               source notebook), lab_time (each lab's stated run time)                   <- runtime
   bench/       wire (bytes on the wire, α-β sweep), launch, launch_kernel (fresh kernel: course vs accelerate), fsdp (ours vs FSDP2 vs DDP), step_time
                (predicted vs measured), timeline (profiler trace: overlap), progress (bars and clocks for long
                cells), gpu_mfu, frameworks (torch eager / compiled / JAX on one
                GPU, each predicted first), two_node +
-               two_node_worker (torchrun across two network namespaces)
-                 <- runtime, comm, maths, launch, models, measure, strategies, widgets
-  authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
-               source notebook)                                                          <- runtime
+               two_node_worker (torchrun across two network namespaces), labs (each lab's
+               seconds against its stated time)
+                 <- runtime, comm, maths, launch, models, measure, strategies, widgets, authoring
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
                and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm

@@ -20,8 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "course_lib"
 #: The layers, lowest first (the order the package docstring draws them in).
-LAYERS = ("runtime", "comm", "maths", "launch", "models", "measure", "strategies", "checks", "widgets", "bench",
-          "authoring", "apps")
+LAYERS = ("runtime", "comm", "maths", "launch", "models", "measure", "strategies", "checks", "widgets", "authoring",
+          "bench", "apps")
 _BASE = {"runtime", "comm", "maths"}
 #: Which layers a layer may import (besides itself). A layer may only name layers before it in LAYERS.
 MAY_IMPORT: dict[str, set[str]] = {
@@ -34,8 +34,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "strategies": _BASE | {"launch", "models", "measure"},
     "checks": _BASE | {"launch", "models", "measure", "strategies"},
     "widgets": _BASE | {"measure"},
-    "bench": _BASE | {"launch", "models", "measure", "strategies", "widgets"},
     "authoring": {"runtime"},                                  # reads and writes notebooks: no torch, no JAX
+    "bench": _BASE | {"launch", "models", "measure", "strategies", "widgets", "authoring"},   # bench labs: runs labs
     "apps": set(LAYERS[:-1]) | {"api"},
     "api": {"runtime", "comm", "launch"},                      # course_lib/__init__.py
     "entry": {"apps"},                                         # course_lib/__main__.py and the aliases

@@ -83,17 +83,17 @@ def test_a_missing_prediction_scores_nothing_and_says_why(capsys):
     assert "you predicted 750 B, measured 768 B: 2.3% low — close" in capsys.readouterr().out
 
 
-def test_every_lab_states_its_run_time_and_the_check_enforces_it():
-    """tests/lab_time.py reads each lab's "takes LOW–HIGH min on 2 CPU cores"; a run outside the range (with the
-    loaded machine's slack) is a failure that says what to do."""
-    import lab_time
+def test_every_lab_states_its_run_time_and_the_check_is_an_upper_bound_only():
+    """course_lib/authoring/lab_time.py reads each lab's "takes LOW–HIGH min on 2 CPU cores". A run far above the high
+    end (beyond a loaded machine's margin) is a failure that says what to do; a run faster than the low end, however
+    fast, never is (a fast laptop is not a bug)."""
+    from course_lib.authoring import lab_time
     for lab in LABS:
         rng = lab_time.stated_seconds(lab)
-        if lab.name[:2] in lab_time.NOT_STATED_YET:
-            continue
         assert rng is not None and 0 < rng[0] < rng[1], f"{lab.name}: no 'takes LOW–HIGH min on 2 CPU cores'"
         lo, hi = rng
         assert lab_time.problem(lab, (lo + hi) / 2) is None
-        assert "measure it and restate it" in lab_time.problem(lab, 2.5 * hi)
-        assert "measure it and restate it" in lab_time.problem(lab, 0.4 * lo)
-        assert lab_time.problem(lab, 0.4 * lo, quick=True) is None          # Lab 08's quick run times fewer steps
+        assert lab_time.problem(lab, 0.01 * lo) is None and lab_time.problem(lab, 0.0) is None     # no floor
+        assert lab_time.problem(lab, lab_time.SLOW_MARGIN * hi) is None
+        assert "bench labs" in lab_time.problem(lab, 1.01 * lab_time.SLOW_MARGIN * hi)
+        assert lab_time.verdict(lab, 0.5 * lo) == "faster" and lab_time.verdict(lab, 2 * hi) == "SLOWER"
