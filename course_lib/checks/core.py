@@ -235,6 +235,9 @@ class check:
         self.passed: bool | None = None
         self.detail: str | None = None
         self.feedback: str | None = None
+        self.submitted = False          #: set by a graded run half: the answer went to the grader's judge
+        self.state: str | None = None   #: "solved", "wrong", "not attempted" or "submitted", once decided
+        self.line: str | None = None    #: the line(s) printed for that state
 
     def ok(self, detail: str) -> None:
         """Set the ✅ line's detail (default: the last assert_close summary)."""
@@ -246,6 +249,12 @@ class check:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         _ACTIVE.remove(self)
+        if exc is None and self.submitted:
+            self.passed = False                           # not decided here: the lab falls back to the reference
+            line = f"📤 {self.name}: answer recorded; the grader's judge decides it, outside this notebook"
+            print(line)
+            self._notify("submitted", line)
+            return False
         if exc is None:
             self.passed = True
             line = f"✅ {self.name}: {self.detail or 'matches the reference'}"
@@ -296,6 +305,7 @@ class check:
         return True
 
     def _notify(self, state: str, text: str) -> None:
+        self.state, self.line = state, text
         for observer in list(OBSERVERS):
             observer(self, state, text)
 

@@ -19,9 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from course_lib import checks as _checks
-from course_lib.comm import torch_ledger
-from course_lib.strategies.zero.torch import FlatUnit
+from course_lib.checks import plain as _plain
+from course_lib.checks.judge import decide, guard as _guard
 from course_lib.checks.registry import exercise
+from course_lib.comm import torch_ledger
+from course_lib.maths.sharding import flat_layout
+from course_lib.strategies.zero.torch import FlatUnit
 
 __all__ = ["check_storage_bytes", "check_sharded_step", "check_gather_free", "HINTS"]
 
@@ -70,43 +73,63 @@ def _storage_cases() -> list[tuple[str, list, int]]:
     ]
 
 
+def _storage_inputs() -> list[tuple[str, list]]:
+    """(what, tensors): the inputs the run half hands the learner's function, made afresh for each call."""
+    return [(what, tensors) for what, tensors, _ in _storage_cases()]
+
+
+def run_storage_bytes(fn) -> dict:
+    """Run half: the learner's count for each case, as plain data (no expected value here)."""
+    return {"got": [fn(tensors) for _, tensors in _storage_inputs()]}
+
+
+def judge_storage_bytes(data: dict, name: str = "storage_bytes") -> str:
+    """Judge half: each count against the storage actually allocated, with the likely mistake named."""
+    cases = _storage_cases()
+    got_all = data["got"]
+    if not isinstance(got_all, list) or len(got_all) != len(cases):
+        raise AssertionError(f"{name} was not run on every case; return a number of bytes for each")
+    for (what, tensors, expected), got in zip(cases, got_all):
+        if isinstance(got, bool) or not isinstance(got, int):
+            shown = got.get("unplain") if isinstance(got, dict) and "unplain" in got else f"{type(got).__name__} {got!r}"
+            raise AssertionError(f"{name}({what}) returned {shown}; return a number of bytes, an int "
+                                 "(storage.nbytes() is one)")
+        if got == expected:
+            continue
+        naive = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        msg = f"{name}({what}) = {got!r}, expected {expected} bytes"
+        if got == naive:
+            msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
+                    "freed memory; count each distinct storage once, at the storage's own size")
+        elif expected and got * 4 == expected and what != cases[3][0]:
+            msg += ("\n   likely mistake: that is a count of elements; a storage's nbytes() is already in bytes")
+        elif expected == 0 and got:
+            msg += ("\n   likely mistake: a freed storage holds 0 bytes whatever the tensor's shape says: count "
+                    "what the storage holds now, not what the tensor's shape would need")
+        elif expected and got > expected and got % expected == 0:
+            msg += (f"\n   likely mistake: one storage counted more than once ({got // expected}×): tensors that "
+                    "view one storage start at different addresses; identify a storage by the storage's own "
+                    "address, not the tensor's")
+        elif expected and got and got < expected:
+            msg += ("\n   likely mistake: a view's own size is not what was allocated (padding, the rest of the "
+                    "buffer): use the whole storage's nbytes()")
+        raise AssertionError(msg)
+    return f"{len(cases)} cases: views counted once, padding counted, freed storage = 0 bytes"
+
+
 @exercise("02", 'storage_bytes', cell='def storage_bytes(', hints=HINTS['storage_bytes'], guards=("boundary",),
           mistakes={'views counted twice': 'counts views twice', 'elements, not bytes': 'a count of elements',
                     'freed counted': 'a freed storage holds 0 bytes',
                     'storage counted twice': 'counted more than once',
                     'padding missed': "a view's own size is not what was allocated",
-                    'not a number': 'return a number of bytes'})
+                    'not a number': 'return a number of bytes'},
+          judge=judge_storage_bytes, references=("course_lib.measure.memory.storage_bytes",))
 def check_storage_bytes(fn, name: str = "storage_bytes") -> bool:
     """Exercise check: ``fn(tensors)`` counts each distinct storage once, at its allocated size."""
-    from course_lib import checks
-    with checks.check(name, tests='each distinct storage counted once at its allocated size: views, a padded flat buffer, None, bfloat16 and a freed storage') as c:
-        for what, tensors, expected in _storage_cases():
-            got = fn(tensors)
-            if isinstance(got, bool) or not isinstance(got, numbers.Integral):
-                raise AssertionError(f"{name}({what}) returned {type(got).__name__} {got!r}; return a number of "
-                                     "bytes, an int (storage.nbytes() is one)")
-            if got == expected:
-                continue
-            naive = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-            msg = f"{name}({what}) = {got!r}, expected {expected} bytes"
-            if got == naive:
-                msg += ("\n   likely mistake: numel × element_size counts views twice and misses padding and "
-                        "freed memory; count each distinct storage once, at the storage's own size")
-            elif isinstance(got, int) and expected and got * 4 == expected and what != _storage_cases()[3][0]:
-                msg += ("\n   likely mistake: that is a count of elements; a storage's nbytes() is already in bytes")
-            elif expected == 0 and got:
-                msg += ("\n   likely mistake: a freed storage holds 0 bytes whatever the tensor's shape says: count "
-                        "what the storage holds now, not what the tensor's shape would need")
-            elif isinstance(got, int) and expected and got > expected and got % expected == 0:
-                msg += (f"\n   likely mistake: one storage counted more than once ({got // expected}×): tensors that "
-                        "view one storage start at different addresses; identify a storage by the storage's own "
-                        "address, not the tensor's")
-            elif expected and got and got < expected:
-                msg += ("\n   likely mistake: a view's own size is not what was allocated (padding, the rest of the "
-                        "buffer): use the whole storage's nbytes()")
-            raise AssertionError(msg)
-        c.ok(f"{len(_storage_cases())} cases: views counted once, padding counted, freed storage = 0 bytes")
-    return bool(c.passed)
+    fn = _guard(fn, "02", "storage_bytes")
+    return decide(name, lab="02", tests="each distinct storage counted once at its allocated size: views, a padded "
+                  "flat buffer, None, bfloat16 and a freed storage",
+                  run=lambda: run_storage_bytes(fn), judge=judge_storage_bytes, params={"name": name})
 
 
 def _mlp_and_batch():
@@ -119,26 +142,40 @@ def _mlp_and_batch():
 
 
 def _sharded_step_on_rank(fn, lr: float = 1e-2) -> dict:
-    import copy
+    """Run half, on one rank: the learner's step on this rank's slice of the batch; what came out, as plain data."""
     r, n = dist.get_rank(), dist.get_world_size()
     model, x, y = _mlp_and_batch()
-    ref = copy.deepcopy(model)                                   # one process, whole batch, torch Adam
-    opt = torch.optim.Adam(ref.parameters(), lr=lr)
-    nn.functional.mse_loss(ref(x), y).backward()
     unit = FlatUnit(list(model.parameters()), r, n, sharded_params=False)
-    flat = lambda ts: nn.functional.pad(torch.cat([t.detach().reshape(-1) for t in ts]),  # noqa: E731
-                                        (0, unit.layout.padding))
-    out = {"ref_grad": flat([p.grad for p in ref.parameters()]), "S": unit.layout.shard_size, "before": unit.full.clone()}
-    opt.step()
     rows = slice(r * 12 // n, (r + 1) * 12 // n)
     nn.functional.mse_loss(model(x[rows]), y[rows]).backward()    # this rank's local gradient
-    out.update(ref_full=flat(ref.parameters()), local_grad=flat([p.grad for p in model.parameters()]))
+    local = nn.functional.pad(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), (0, unit.layout.padding))
     torch_ledger.recorder().reset()
     with _overlap_watch() as overlaps:
-        fn(unit.full, out["local_grad"].clone(), unit.shard, torch.optim.Adam([unit.shard], lr=lr))
-    out.update(grad_shard=unit.shard.grad, full=unit.full.clone(), ops=[x.op for x in torch_ledger.recorder().ledger()],
-               overlaps=overlaps)
-    return out
+        fn(unit.full, local, unit.shard, torch.optim.Adam([unit.shard], lr=lr))
+    return _plain.plain({"grad_shard": unit.shard.grad, "full": unit.full.clone(),
+                         "ops": [x.op for x in torch_ledger.recorder().ledger()], "overlaps": [list(o) for o in overlaps]})
+
+
+def _sharded_step_reference(ws: int, lr: float = 1e-2) -> dict:
+    """Judge side: what ``ws`` ranks should have computed -- one process, the whole batch, torch's Adam."""
+    import numpy as np
+    model, x, y = _mlp_and_batch()
+    layout = flat_layout([p.numel() for p in model.parameters()], ws)
+    flat = lambda ts: nn.functional.pad(torch.cat([t.detach().reshape(-1) for t in ts]),  # noqa: E731
+                                        (0, layout.padding)).numpy()
+    before = flat(model.parameters())
+    local = []
+    for r in range(ws):                                          # each rank's own gradient (a skipped collective)
+        m, _, _ = _mlp_and_batch()
+        rows = slice(r * 12 // ws, (r + 1) * 12 // ws)
+        nn.functional.mse_loss(m(x[rows]), y[rows]).backward()
+        local.append(flat([p.grad for p in m.parameters()]))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    nn.functional.mse_loss(model(x), y).backward()
+    ref_grad = flat([p.grad for p in model.parameters()])
+    opt.step()
+    return {"S": layout.shard_size, "before": before, "ref_grad": ref_grad, "ref_full": flat(model.parameters()),
+            "local": np.stack(local)}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -177,56 +214,48 @@ class _overlap_watch:
             setattr(mod, attr, orig)
 
 
-@exercise("02", 'sharded_step', cell='def sharded_step(', hints=HINTS['sharded_step'], guards=("cost", "argument"),
-          mistakes={'world size hard-coded': 'whatever the world size',
-                    'summed, not averaged': 'summed instead of averaging', 'not gathered': 'were never updated',
-                    'no reduction': 'collective was skipped', 'all-reduce': 'an all_reduce moves the whole gradient',
-                    'gather into its own input': "the all-gather's input (shard_params) is a view of its output",
-                    'scatter into its own gradient': "the reduce-scatter writes into a view of its own input"})
-def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
-    """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
-    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters;
-    on ``world_size`` ranks, then on a second world size (2, or 3 when ``world_size`` is 2)."""
-    from course_lib import checks
-    from course_lib.launch import run
+def judge_sharded_step(data: dict, world_size: int = 4) -> str:
+    """Judge half: every rank's gradient shard and parameters against one-process Adam, then the collectives."""
     other = 3 if world_size == 2 else 2
-    with checks.check(name, tests=f"on {world_size} ranks, then on {other}: each rank's gradient shard is the mean over ranks, full_params equals one-process Adam afterwards, the ledger shows a reduce-scatter and an all-gather (no all-reduce), and the all-gather's input does not overlap its output") as c:
-        for ws in (world_size, other):
-            res = run(_sharded_step_on_rank, fn, world_size=ws)
-            _verify_sharded_step(res, ws, world_size)
-            S = res[0]["S"] if ws == world_size else S
-        c.ok(f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather")
-    return bool(c.passed)
+    for ws in (world_size, other):
+        res = data.get(str(ws))
+        if not isinstance(res, list) or len(res) != ws:
+            raise AssertionError(f"no result from each of {ws} ranks")
+        _verify_sharded_step(res, ws, world_size, _sharded_step_reference(ws))
+    S = _sharded_step_reference(world_size)["S"]
+    return f"on {world_size} ranks: reduce-scatter ÷N, Adam on {S} of {S * world_size} elements, all-gather"
 
 
-def _verify_sharded_step(res, ws: int, asked: int) -> None:
-    """Everything the check asserts about one run of the learner's step on ``ws`` ranks (``asked``: the
+def _verify_sharded_step(res, ws: int, asked: int, ref: dict) -> None:
+    """Everything the judge asserts about one run of the learner's step on ``ws`` ranks (``asked``: the
     world size the lab runs; a second one catches a world size written into the answer)."""
     import numpy as np
 
     from course_lib import checks
     summed = lambda g, e: (f"got is {ws}× expected → you summed instead of averaging (forgot ÷{ws})"  # noqa: E731
                            if np.allclose(g, ws * e, rtol=1e-3, atol=1e-6) else None)  # loose: sum order
-    S = res[0]["S"]
+    S = ref["S"]
     for r, o in enumerate(res):
         if o["grad_shard"] is None:
             raise AssertionError(f"rank {r}: shard_params.grad is None; set it to the averaged gradient shard")
-        exp = o["ref_grad"][r * S:(r + 1) * S]
-        if ws != asked and np.allclose(o["grad_shard"], exp * ws / asked, rtol=1e-4, atol=1e-7) \
-                and not np.allclose(exp, 0):
+        exp = ref["ref_grad"][r * S:(r + 1) * S]
+        if ws != asked and np.shape(o["grad_shard"]) == exp.shape \
+                and np.allclose(o["grad_shard"], exp * ws / asked, rtol=1e-4, atol=1e-7) and not np.allclose(exp, 0):
             raise AssertionError(f"on {ws} ranks, rank {r}'s gradient shard is {ws}/{asked} of the mean: you divided "
                                  f"by {asked} whatever the world size; divide by the number of ranks in the group, "
                                  "asked at run time")
-        local = [res[q]["local_grad"][r * S:(r + 1) * S] for q in range(ws)]
+        local = [ref["local"][q][r * S:(r + 1) * S] for q in range(ws)]
         checks.assert_close(f"shard_params.grad (on {ws} ranks)", o["grad_shard"], exp, rtol=1e-5,
                             atol=1e-6, rank=r, hint=[summed, checks.averaged_twice(ws),
                                                      checks.skipped_collective(local)])
-        stale = [q for q in range(ws) if torch.equal(o["full"][q * S:(q + 1) * S], o["before"][q * S:(q + 1) * S])]
+        full, before = np.asarray(o["full"]), ref["before"]
+        stale = [q for q in range(ws) if full.shape == before.shape
+                 and np.array_equal(full[q * S:(q + 1) * S], before[q * S:(q + 1) * S])]
         if 0 < len(stale) < ws:
             raise AssertionError(f"rank {r}: shards {stale} of full_params were never updated: all-gather "
                                  "the updated shards into full_params after optimizer.step()")
-        checks.assert_close(f"full_params after the step (on {ws} ranks)", o["full"], o["ref_full"], rtol=1e-5,
-                            atol=1e-6, rank=r, hint=checks.not_updated(o["before"]))
+        checks.assert_close(f"full_params after the step (on {ws} ranks)", full, ref["ref_full"], rtol=1e-5,
+                            atol=1e-6, rank=r, hint=checks.not_updated(before))
     for op, what, whose in (("all_gather", "all-gather's input (shard_params) is a view of its output (full_params)",
                              "gather from a copy of the shard"),
                             ("reduce_scatter", "reduce-scatter writes into a view of its own input (full_grads)",
@@ -236,7 +265,7 @@ def _verify_sharded_step(res, ws: int, asked: int) -> None:
             raise AssertionError(f"the numbers are right, but on ranks {bad} the {what}: the collective reads memory "
                                  "it is overwriting. gloo happens to cope; NCCL does not. The input must not overlap "
                                  f"the output: {whose}")
-    ops = res[0]["ops"]
+    ops = list(res[0]["ops"])
     if ops.count("all_reduce"):
         raise AssertionError(f"the numbers are right, but rank 0 issued {ops}: an all_reduce moves the whole "
                              "gradient to every rank; ZeRO needs a reduce_scatter (each rank keeps only its "
@@ -246,24 +275,41 @@ def _verify_sharded_step(res, ws: int, asked: int) -> None:
                              "(each rank keeps only its shard of the gradient) and one all_gather")
 
 
+@exercise("02", 'sharded_step', judge=judge_sharded_step, cell='def sharded_step(', hints=HINTS['sharded_step'], guards=("cost", "argument"),
+          mistakes={'world size hard-coded': 'whatever the world size',
+                    'summed, not averaged': 'summed instead of averaging', 'not gathered': 'were never updated',
+                    'no reduction': 'collective was skipped', 'all-reduce': 'an all_reduce moves the whole gradient',
+                    'gather into its own input': "the all-gather's input (shard_params) is a view of its output",
+                    'scatter into its own gradient': "the reduce-scatter writes into a view of its own input"})
+def check_sharded_step(fn, world_size: int = 4, name: str = "sharded_step") -> bool:
+    """Exercise check: ``fn(full_params, full_grads, shard_params, optimizer)`` is ZeRO-1's step: the
+    averaged gradient of this rank's shard in ``shard_params.grad``, then everyone's updated parameters;
+    on ``world_size`` ranks, then on a second world size (2, or 3 when ``world_size`` is 2)."""
+    from course_lib.launch import run
+    other = 3 if world_size == 2 else 2
+    fn = _guard(fn, "02", "sharded_step")
+    return decide(name, lab="02", tests=f"on {world_size} ranks, then on {other}: each rank's gradient shard is the "
+                  "mean over ranks, full_params equals one-process Adam afterwards, the ledger shows a reduce-scatter "
+                  "and an all-gather (no all-reduce), and the all-gather's input does not overlap its output",
+                  run=lambda: {str(ws): list(run(_sharded_step_on_rank, fn, world_size=ws)) for ws in (world_size, other)},
+                  judge=judge_sharded_step, params={"world_size": world_size})
+
+
 def _gather_free_on_rank(gather, free) -> dict:
+    """Run half, on one rank: gather, use, free -- twice, as two steps would; what the storage held each time."""
     model, x, _ = _mlp_and_batch()
-    out = {"ref": model(x).detach()}
     unit = FlatUnit(list(model.parameters()), dist.get_rank(), dist.get_world_size(), sharded_params=True)
-    out["padded_bytes"], p0 = unit.layout.padded_numel * 4, unit.params[0]
-    out["shard"], out["numel"] = unit.shard.detach().clone(), unit.full.numel()
-    for i in range(2):                                   # gather, use, free -- twice, as two steps would
+    p0, need = unit.params[0], unit.full.numel() * unit.full.element_size()   # the input's own size, in bytes
+    out = {"shard": unit.shard.detach().clone()}
+    for i in range(2):
         try:
             gather(unit.full, unit.shard)
         except Exception as exc:
             have = p0.untyped_storage().nbytes()
-            if have >= out["padded_bytes"] or type(exc).__name__ == "NotImplementedError":
+            if have >= need or type(exc).__name__ == "NotImplementedError":
                 raise
-            raise AssertionError(
-                f"gather #{i + 1} raised {type(exc).__name__} all-gathering into `full`: its storage holds {have} "
-                f"bytes but `full` needs {out['padded_bytes']} ({unit.full.numel()} elements × "
-                f"{unit.full.element_size()} bytes each); give the storage its size in bytes before "
-                "gathering into it") from None
+            out["gather_error"] = {"step": i + 1, "type": type(exc).__name__, "have": have}
+            return _plain.plain(out)
         out[f"gathered{i}"] = p0.untyped_storage().nbytes()
         out[f"full{i}"] = unit.full.detach().clone() if out[f"gathered{i}"] else None
         out[f"out{i}"] = model(x).detach() if out[f"gathered{i}"] else None
@@ -272,7 +318,7 @@ def _gather_free_on_rank(gather, free) -> dict:
         out[f"freed{i}"] = p0.untyped_storage().nbytes()
         out[f"zeroed{i}"] = bool(out[f"freed{i}"]) and not unit.full.detach().any().item()
         out[f"untouched{i}"] = out[f"freed{i}"] == before and not out[f"zeroed{i}"]
-    return out
+    return _plain.plain(out)
 
 
 def _own_shard_everywhere(shard, n: int) -> _checks.Detector:
@@ -286,37 +332,60 @@ def _own_shard_everywhere(shard, n: int) -> _checks.Detector:
     return detect
 
 
+def judge_gather_free(res: list, world_size: int = 4) -> str:
+    """Judge half: the storage sizes, the gathered buffer and the model output against a one-process reference."""
+    from course_lib import checks
+    model, x, _ = _mlp_and_batch()
+    layout = flat_layout([p.numel() for p in model.parameters()], world_size)
+    padded_bytes, numel = layout.padded_numel * 4, layout.padded_numel
+    flat = nn.functional.pad(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), (0, layout.padding))
+    ref = model(x).detach().numpy()
+    flat, S = flat.numpy(), layout.shard_size
+    if not isinstance(res, list) or len(res) != world_size:
+        raise AssertionError(f"no result from each of {world_size} ranks")
+    for r, o in enumerate(res):
+        err = o.get("gather_error")
+        if err:
+            raise AssertionError(
+                f"rank {r}: gather #{err['step']} raised {err['type']} all-gathering into `full`: its storage holds "
+                f"{err['have']} bytes but `full` needs {padded_bytes} ({numel} elements × 4 bytes each); give the "
+                "storage its size in bytes before gathering into it")
+    for (r, o), i in ((ro, i) for ro in enumerate(res) for i in range(2)):
+        shard = flat[r * S:(r + 1) * S]
+        if o[f"gathered{i}"] != padded_bytes:
+            raise AssertionError(f"rank {r}, gather #{i + 1}: the parameters' storage holds {o[f'gathered{i}']} "
+                                 f"bytes, expected {padded_bytes}: they are views of `full`'s storage, so "
+                                 "refill that one: give it its size back and all-gather into `full` itself, "
+                                 "not into a new tensor")
+        checks.assert_close(f"`full` after gather #{i + 1}", o[f"full{i}"], flat, rtol=0, atol=0, rank=r,
+                            hint=[_own_shard_everywhere(shard, world_size), checks.wrong_shard_offset(world_size)])
+        checks.assert_close(f"model output after gather #{i + 1}", o[f"out{i}"], ref, rtol=1e-5, atol=1e-6,
+                            rank=r, hint="all-gather every rank's shard into `full`, in rank order")
+        if o[f"freed{i}"] != 0:
+            held = f"rank {r}, free #{i + 1}: the parameters' storage still holds {o[f'freed{i}']} bytes"
+            if o[f"zeroed{i}"]:
+                raise AssertionError(f"{held}, all zeros: zeroing keeps the memory; release the storage itself "
+                                     "(make it hold 0 bytes), keeping the tensor")
+            if o[f"untouched{i}"]:
+                raise AssertionError(f"{held}, untouched: dropping or rebinding a name frees nothing while the "
+                                     "parameters view it; release the storage itself (make it hold 0 bytes)")
+            raise AssertionError(f"{held}; release all of it: 0 bytes")
+    return f"gathered {padded_bytes:,} bytes, output matches, freed to 0 bytes, twice"
+
+
 @exercise("02", 'gather / free', cell='def gather(', hints=HINTS['gather / free'], guards=("cost",),
           mistakes={'storage too small': "but `full` needs", 'gathered elsewhere': 'refill that one',
                     'no communication': "copies of this rank's own shard",
                     'zeroed, storage kept': 'zeroing keeps the memory',
-                    'name dropped, storage kept': 'frees nothing while the parameters view it'})
+                    'name dropped, storage kept': 'frees nothing while the parameters view it'},
+          judge=judge_gather_free,
+          references=("course_lib.strategies.zero.torch.FlatUnit.gather_", "course_lib.strategies.zero.torch.FlatUnit.free_"))
 def check_gather_free(gather, free, world_size: int = 4, name: str = "gather / free") -> bool:
     """Exercise check: ``gather(full, shard)`` refills the storage the parameters view and all-gathers
     into it; ``free(full)`` releases that storage -- twice in a row, as every training step does."""
-    from course_lib import checks
     from course_lib.launch import run
-    with checks.check(name, tests="twice in a row: after gather the parameters' storage is the full padded size and the model output is right; after free it is 0 bytes") as c:
-        res = run(_gather_free_on_rank, gather, free, world_size=world_size)
-        flat = torch.cat([o["shard"] for o in res])                  # every rank's shard, in rank order
-        for (r, o), i in ((ro, i) for ro in enumerate(res) for i in range(2)):
-            if o[f"gathered{i}"] != o["padded_bytes"]:
-                raise AssertionError(f"rank {r}, gather #{i + 1}: the parameters' storage holds {o[f'gathered{i}']} "
-                                     f"bytes, expected {o['padded_bytes']}: they are views of `full`'s storage, so "
-                                     "refill that one: give it its size back and all-gather into `full` itself, "
-                                     "not into a new tensor")
-            checks.assert_close(f"`full` after gather #{i + 1}", o[f"full{i}"], flat, rtol=0, atol=0, rank=r,
-                                hint=[_own_shard_everywhere(o["shard"], world_size), checks.wrong_shard_offset(world_size)])
-            checks.assert_close(f"model output after gather #{i + 1}", o[f"out{i}"], o["ref"], rtol=1e-5, atol=1e-6,
-                                rank=r, hint="all-gather every rank's shard into `full`, in rank order")
-            if o[f"freed{i}"] != 0:
-                held = f"rank {r}, free #{i + 1}: the parameters' storage still holds {o[f'freed{i}']} bytes"
-                if o[f"zeroed{i}"]:
-                    raise AssertionError(f"{held}, all zeros: zeroing keeps the memory; release the storage itself "
-                                         "(make it hold 0 bytes), keeping the tensor")
-                if o[f"untouched{i}"]:
-                    raise AssertionError(f"{held}, untouched: dropping or rebinding a name frees nothing while the "
-                                         "parameters view it; release the storage itself (make it hold 0 bytes)")
-                raise AssertionError(f"{held}; release all of it: 0 bytes")
-        c.ok(f"gathered {res[0]['padded_bytes']:,} bytes, output matches, freed to 0 bytes, twice")
-    return bool(c.passed)
+    gather, free = _guard(gather, "02", "gather / free"), _guard(free, "02", "gather / free")
+    return decide(name, lab="02", tests="twice in a row: after gather the parameters' storage is the full padded size "
+                  "and the model output is right; after free it is 0 bytes",
+                  run=lambda: list(run(_gather_free_on_rank, gather, free, world_size=world_size)),
+                  judge=judge_gather_free, params={"world_size": world_size})

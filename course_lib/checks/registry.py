@@ -59,6 +59,10 @@ class Exercise:
     tests: str = ""               #: what the check verifies, as the ⏳ line says it
     mistakes: Mapping[str, str] = field(default_factory=dict)   #: tag -> phrase the ❌ line holds for it
     guards: tuple[str, ...] = ALWAYS   #: the :data:`KINDS` of mistake this check must catch
+    #: the judge half (:mod:`course_lib.checks.judge`): plain run data -> ✅ detail, or AssertionError(diagnosis)
+    judge: Callable | None = field(default=None, repr=False, compare=False)
+    #: the library functions that solve this exercise (dotted paths): unavailable while it is graded
+    references: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not re.fullmatch(r"\d\d", self.lab):
@@ -78,16 +82,19 @@ class Exercise:
 
 
 def exercise(lab: str, name: str, *, cell: str, hints: Sequence[str], tests: str = "",
-             mistakes: Mapping[str, str] | None = None, guards: Sequence[str] = ()) -> Callable[[Callable], Callable]:
+             mistakes: Mapping[str, str] | None = None, guards: Sequence[str] = (), judge: Callable | None = None,
+             references: Sequence[str] = ()) -> Callable[[Callable], Callable]:
     """Declare the check below as exercise ``name`` of lab ``lab`` (see the module docstring).
-    ``guards``: the kinds of mistake (:data:`KINDS`) it catches beyond "value" and "crash"."""
+    ``guards``: the kinds of mistake (:data:`KINDS`) it catches beyond "value" and "crash"; ``judge``: its judge half
+    (the check's run half hands it plain data; :mod:`course_lib.checks.judge`); ``references``: the library functions
+    that solve it (dotted paths), unavailable while it is graded."""
     def register(check: Callable) -> Callable:
         key = (lab, name)
         kinds = ALWAYS + tuple(k for k in guards if k not in ALWAYS)
         said = dict(mistakes or {})
         if CRASH_PHRASE not in said.values():
             said["crash"] = CRASH_PHRASE      # every check turns a crash in the answer into this ❌ line
-        ex = Exercise(lab, name, cell, tuple(hints), check, tests, said, kinds)
+        ex = Exercise(lab, name, cell, tuple(hints), check, tests, said, kinds, judge, tuple(references))
         old = _REGISTRY.get(key)
         if old is not None and old.check.__qualname__ != check.__qualname__:
             raise ValueError(f"exercise {lab}/{name} declared twice: {old.check.__qualname__} and {check.__qualname__}")
