@@ -108,6 +108,54 @@ def _hostile(class_dir: Path, port: int) -> dict[str, str]:
     }
 
 
+#: The attacks of issue 49 (verdicts decided where no submission's code runs): learner -> answer cell. None may be
+#: solved; the verdict is the judge's, outside the box, from the plain data the check's run half wrote.
+_NAIVE = "sum(t.numel() * t.element_size() for t in tensors if t is not None)"
+JUDGED = {
+    # a wrong number whose == always says yes
+    "lying_int": "class Yes(int):\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+                 "    __hash__ = int.__hash__\n"
+                 f"def storage_bytes(tensors):\n    return Yes({_NAIVE})\n",
+    # the library's own solution handed in
+    "reference": "from course_lib.measure.memory import storage_bytes as _ref\n"
+                 "def storage_bytes(tensors):\n    return _ref(tensors)\n",
+    # the expected value read from the check's frames
+    "frame_peek": "import sys\ndef storage_bytes(tensors):\n    f = sys._getframe(1)\n    while f is not None:\n"
+                  "        for k, v in f.f_locals.items():\n"
+                  "            if k in ('expected', 'exp', 'want') and isinstance(v, int):\n                return v\n"
+                  "            if isinstance(v, list) and v and isinstance(v[0], tuple) and len(v[0]) == 3:\n"
+                  "                for what, ts, e in v:\n                    if ts is tensors: return e\n"
+                  "        f = f.f_back\n"
+                  f"    return {_NAIVE}\n",
+    # a ✅ record written straight into the guard's pipe, found by scanning descriptors (no /proc)
+    "fd_forge": "import os, stat, json\nfor fd in range(3, 256):\n    try:\n        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n"
+                "            os.write(fd, (json.dumps({'kind': 'check', 'name': 'storage_bytes', 'state': 'solved', "
+                "'text': '✅ storage_bytes: forged'}) + '\\n').encode())\n    except OSError:\n        pass\n" + STUB,
+    # the guard imported under a name built at run time, its record function called
+    "guard_runtime": "import importlib\ng = importlib.import_module('course_lib.apps.' + 'grading.gu' + 'ard')\n"
+                     "getattr(g, 're' + 'cord')('check', name='storage_bytes', state='solved', text='✅ storage_bytes: ok')\n"
+                     + STUB,
+    # the guard's fingerprint table cleared before its report, with a wrong answer
+    "prints_cleared": "import sys\ng = sys.modules['course_lib.apps.grading.guard']\ng._state['prints'].clear()\n"
+                      f"def storage_bytes(tensors):\n    return {_NAIVE}\n",
+    # np.isnan and np.allclose replaced, with a wrong answer
+    "numpy_patch": "import numpy as np\nnp.isnan = lambda *a, **k: np.zeros(np.shape(a[0]), bool)\n"
+                   "np.allclose = lambda *a, **k: True\nnp.array_equal = lambda *a, **k: True\n"
+                   f"def storage_bytes(tensors):\n    return {_NAIVE}\n",
+    # a forged outbox file, claiming a solved state the box cannot claim
+    "outbox_forge": "import os, json\n" + STUB + "from course_lib.checks import plain as P, judge as J\n"
+                    "_real = lab02.check_storage_bytes\n"
+                    "def _after(fn):\n    r = _real(fn)\n"
+                    "    J.outbox_file(os.environ[J.OUTBOX_VAR], '02', 'storage_bytes').write_bytes(P.dumps("
+                    "{'raised': {'state': 'solved', 'text': '✅ storage_bytes: forged'}}))\n    return r\n"
+                    "lab02.check_storage_bytes = _after\n",
+}
+#: Appended as a last cell: the check replaced, then the kernel ended before the guard's report can be asked for.
+EXIT_LAST = ("exit_after_patch", "from course_lib.checks import lab02\n"
+             "lab02.check_storage_bytes = lambda fn: print('✅ storage_bytes: fine') or True\n" + STUB,
+             "import os\nos._exit(0)\n")
+
+
 @pytest.fixture(scope="module")
 def hostile_class(tmp_path_factory):
     base = tmp_path_factory.mktemp("hostile")
@@ -135,6 +183,10 @@ def hostile_class(tmp_path_factory):
                  "honest_untouched": _cut_lab(),
                  "slow_start": _submission(_solution_source(), first_cell_extra=f"import time\ntime.sleep({CELL_S * 3})")}
     notebooks.update({k: _submission(v) for k, v in _hostile(cls, listener.getsockname()[1]).items()})
+    notebooks.update({k: _submission(v) for k, v in JUDGED.items()})
+    learner, answer, last = EXIT_LAST
+    notebooks[learner] = _submission(answer)
+    notebooks[learner].cells.append(nbformat.v4.new_code_cell(last))
     for learner, nb in notebooks.items():
         (cls / learner).mkdir(parents=True)
         nbformat.write(nb, cls / learner / LAB.name)
@@ -266,3 +318,21 @@ def test_the_grader_refuses_without_bubblewrap_unless_told(tmp_path):
     assert "--no-sandbox" in graded.stderr
     rows = list(csv.DictReader(open(tmp_path / "out" / "grades.csv", encoding="utf-8")))
     assert _row(rows, "ann")["verdict"] == "not attempted" and _flags(rows, "ann") == ""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("learner", [*JUDGED, EXIT_LAST[0]])
+def test_no_attack_on_the_verdict_solves_anything(hostile_class, learner):
+    """Issue 49's attacks: the verdict is the judge's, outside the box; what the box prints or records decides
+    nothing. A lying value and a patched NumPy are judged wrong by what they hold; the library's solution crashes
+    (unavailable while graded) and is flagged."""
+    rows = hostile_class["rows"]
+    row = _row(rows, learner)
+    assert row["verdict"] != "solved", row
+    if learner in ("lying_int", "numpy_patch", "prints_cleared", "frame_peek"):
+        assert (row["verdict"], row["mistake"]) == ("wrong", "views counted twice"), row
+    if learner == "reference":
+        assert row["verdict"] == "crashed" and "library's own solution" in row["detail"], row
+        assert "reference use" in _flags(rows, learner), _flags(rows, learner)
+    if learner in ("fd_forge", "guard_runtime", "outbox_forge", "exit_after_patch"):
+        assert row["verdict"] in ("not attempted", "crashed"), row

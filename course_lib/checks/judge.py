@@ -83,13 +83,13 @@ def unavailable(references: Sequence[str], exercise: str):
             msg = (f"{path} is the library's own solution of exercise {exercise!r}: it is not available while the "
                    "exercise is graded; write your own")
 
-            def blocked(*a, _msg=msg, **k):
-                raise ReferenceUnavailable(_msg)
+            def blocked(*a, _msg=msg, _exc=ReferenceUnavailable, **k):   # no globals: it runs as `fn`'s code
+                raise _exc(_msg)
             code = getattr(fn, "__code__", None)
             if code is not None and not code.co_freevars:
                 fn.__code__ = blocked.__code__.replace(co_name=code.co_name)
                 defaults = fn.__defaults__, fn.__kwdefaults__
-                fn.__defaults__, fn.__kwdefaults__ = None, {"_msg": msg}
+                fn.__defaults__, fn.__kwdefaults__ = None, {"_msg": msg, "_exc": ReferenceUnavailable}
                 saved.append(("code", fn, (code, defaults)))
             else:
                 setattr(owner, attr, blocked)
@@ -167,7 +167,7 @@ def decide(name: str, *, lab: str, tests: str, run: Callable[[], Any], judge: Ca
             c.submitted = True
         else:
             c.ok(_judged(judge, data, params) or "matches the reference")
-    if outbox and not c.passed:
+    if outbox and c.state != "submitted":          # a stub or a crash in the box: it can only report its own failure
         state = "not attempted" if c.state == "not attempted" else "crashed"
         outbox_file(outbox, lab, name).write_bytes(_plain.dumps({"raised": {"state": state, "text": c.line or ""}}))
     return bool(c.passed) and not outbox

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -48,17 +49,14 @@ def _array(value: Any) -> np.ndarray | None:
     elif isinstance(value, np.generic):
         out = np.array(value)
     else:
-        mod = type(value).__module__ or ""
-        if mod.startswith("torch"):
-            import torch
-            if not isinstance(value, torch.Tensor):
-                return None
+        torch, jax = sys.modules.get("torch"), sys.modules.get("jax")   # whichever the kernel imported
+        if torch is not None and isinstance(value, torch.Tensor):
             with torch._C.DisableTorchFunction():          # a tensor subclass's overrides are not consulted
                 t = torch.Tensor.detach(value).cpu()
                 if t.dtype == torch.bfloat16:
                     t = t.float()
-                out = np.array(t.numpy(), copy=True)
-        elif mod.startswith(("jax", "jaxlib")):
+                out = np.array(torch.Tensor.numpy(t), copy=True)
+        elif jax is not None and isinstance(value, jax.Array):
             out = np.array(np.asarray(value), copy=True)
         else:
             return None

@@ -6,9 +6,11 @@
   ``/tmp``, PID and network namespaces), under time, memory, process and output limits, every process ended;
   :mod:`.limits` is the kernel's launch wrapper (rlimits, the pids cgroup), :mod:`.kernel` the grader's side of
   the kernel (manager, client, environment, output caps, the guard's pipe);
-* :mod:`.guard` -- inside the kernel, before the notebook's first line: records each check's verdict where it is
-  decided and reports what touched the library, the checks or the guard;
-* :mod:`.verdicts` -- one verdict per exercise and one score per prediction, and the rules that flag a submission;
+* :mod:`.guard` -- inside the kernel, before the notebook's first line: the second line, which reports what touched
+  the library, the checks or the guard (verdicts are not decided in the kernel: each check's run half writes plain
+  data to the scratch folder's outbox, :mod:`course_lib.checks.judge`);
+* :mod:`.verdicts` -- one verdict per exercise (its judge's, run in the grader's process on that plain data) and one
+  score per prediction, and the rules that flag a submission (a library solution named in a cell among them);
 * :mod:`.report` -- the summary table, ``grades.csv`` and ``report.html``;
 * :mod:`.grade` -- the command itself: all of the above, ``--jobs`` at a time.
 """

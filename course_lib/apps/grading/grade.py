@@ -2,10 +2,13 @@
 
 Each submission (see :mod:`.intake` for names and refusals) runs headless in its own kernel, in a scratch copy,
 inside a bubblewrap box, under a cell limit, a notebook limit, a memory limit, a process limit and output caps,
-``--jobs`` at a time (:mod:`.sandbox`); every process it started is ended and counted. Each exercise's verdict is
-what its check decided in that kernel, recorded by the grader's guard (:mod:`.guard`) as it was decided, not what
-the notebook printed; a submission that touched the library, the checks or the guard is flagged for review and
-none of its exercises is graded solved (:func:`.verdicts.flags`). Out come a progress bar, a summary table,
+``--jobs`` at a time (:mod:`.sandbox`); every process it started is ended and counted. In the box each check runs
+only its *run half* and writes plain data (numbers, arrays; no pickle) to the scratch folder's outbox; each
+exercise's verdict is decided here, outside the box, by the exercise's *judge half* on that data
+(:mod:`course_lib.checks.judge`) -- never by what the notebook printed or what the box recorded. The grader's guard
+(:mod:`.guard`) stays as a second line: a submission that touched the library, the checks or the guard, or names a
+library function that solves an exercise, is flagged for review and none of its exercises is graded solved
+(:func:`.verdicts.flags`). Out come a progress bar, a summary table,
 ``grades.csv``, ``report.html`` (:mod:`.report`) and, under ``notebooks/``, each executed notebook.
 
 Exit status: 0 when every submission was graded (whatever its verdicts), 1 when some file was refused,
@@ -24,6 +27,7 @@ import nbformat
 from course_lib.apps.grading import verdicts as grading
 from course_lib.apps.grading.intake import Submission, find_submissions, is_check_cell
 from course_lib.apps.grading.report import Graded, summary_table, write_csv, write_html
+from course_lib.apps.grading.kernel import OUTBOX_DIR
 from course_lib.apps.grading.sandbox import BoxedRun, Limits, bwrap_problem, run_boxed, warm_bytecode
 from course_lib.checks import registry
 
@@ -43,17 +47,22 @@ def _cell_index(nb, ex) -> int:
     return next((i for i, c in enumerate(nb.cells) if c.cell_type == "code" and ex.cell in c.source), len(nb.cells))
 
 
-def read_results(lab: str, nb, run: BoxedRun | None = None):
+def read_results(lab: str, nb, run: BoxedRun | None = None, outbox: Path | None = None):
     """(exercise results, predictions, printed states, recorded states) from an executed lab notebook.
 
-    A verdict comes from the guard's record of the exercise's check (``run.records``); without a run (a notebook
-    executed elsewhere) it is read from the check cells' printed lines. Results are in the lab's own order."""
+    With ``outbox`` (a graded run), each verdict is the exercise's **judge** run here, in the grader's process, on the
+    plain data the check's run half wrote there (:func:`course_lib.checks.judge.read_outbox`): no printed text and no
+    record from the box decides it. Without one (a notebook executed elsewhere, never graded) it is read from the check
+    cells' printed lines. ``printed`` / ``recorded`` (what the cells printed, what the guard recorded) feed the flags
+    only. Results are in the lab's own order."""
+    from course_lib.checks.judge import read_outbox
     checks = [c for c in nb.cells if is_check_cell(c)]
     stopped = run.stopped if run is not None else None
     recorded = {}
     for rec in (run.records if run is not None else []):
         if rec.get("kind") == "check" and isinstance(rec.get("name"), str):
             recorded[rec["name"]] = (str(rec.get("state")), str(rec.get("text", "")))
+    judged = read_outbox(outbox, registry.exercises(lab)) if outbox is not None else {}
     first_timeout = min(run.timed_out_cells) if run is not None and run.timed_out_cells else None
     results, printed = [], {}
     for ex in sorted(registry.exercises(lab), key=lambda e: _cell_index(nb, e)):
@@ -64,14 +73,15 @@ def read_results(lab: str, nb, run: BoxedRun | None = None):
         ran = any(c.get("execution_count") is not None or c.get("outputs") for c in mine)
         text = "\n".join(_text(c) for c in mine)
         printed[ex.name] = registry.verdict(ex, text)[0]
-        if run is not None:
-            text = recorded.get(ex.name, ("", ""))[1]
         if first_timeout is not None and first_timeout < _cell_index(nb, ex) and ex.name not in recorded:
             cell = nb.cells[first_timeout]
             limit = next((o.get("evalue", "") for o in cell.get("outputs", []) if o.get("ename") == "CellTimeout"), "")
             error = f"not reached: cell {first_timeout + 1} {limit or 'ran past the cell limit'}; the cells after it ran without its results"
-        results.append(grading.exercise_result(ex, text, error=error,
-                                               stopped=None if ran else (stopped or "its check cell never ran")))
+        stop = None if ran else (stopped or "its check cell never ran")
+        if outbox is not None:
+            results.append(grading.judged_result(ex, judged[ex.name], error=error, stopped=stop))
+        else:
+            results.append(grading.exercise_result(ex, text, error=error, stopped=stop))
     return (results, grading.predictions("\n".join(_text(c) for c in checks)), printed,
             {name: state for name, (state, _) in recorded.items()})
 
@@ -91,12 +101,13 @@ async def _grade_one(sub: Submission, limits: Limits, keep: Path | None) -> Grad
         nbformat.write(sub.nb, scratch / name)                 # the scratch copy the kernel works beside
         nb = nbformat.read(scratch / name, as_version=4)
         run = await run_boxed(nb, scratch, limits, lab=sub.lab.lab)
+        outbox = scratch / OUTBOX_DIR
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, keep / f"{sub.learner}_{name}")
-        results, preds, printed, recorded = read_results(sub.lab.lab, nb, run)
+        results, preds, printed, recorded = read_results(sub.lab.lab, nb, run, outbox)
         found = grading.flags(run.records, run.nonce, run.stopped, printed, recorded,
-                              _changed_sources(sub.nb, sub.lab.nb))
+                              _changed_sources(sub.nb, sub.lab.nb), registry.exercises(sub.lab.lab))
         if found:
             results = [grading.ExerciseResult(r.lab, r.name, "flagged", None, r.detail) if r.verdict == "solved" else r
                        for r in results]

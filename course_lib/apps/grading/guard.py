@@ -1,4 +1,8 @@
-"""The grader's guard inside a submission's kernel: verdicts recorded where they are decided, tampering reported.
+"""The grader's guard inside a submission's kernel: the second line, which reports tampering.
+
+Verdicts are not decided here: in a graded kernel each check runs only its run half and writes plain data to the
+outbox, and the grader's judge decides outside the box (:mod:`course_lib.checks.judge`). What this module records
+(each check's printed outcome, and what no lab asks a learner to do) names tampering for the report's flags.
 
 The grading kernel starts as ``python -c "...guard import main; main(...)" --lab NN --channel FIFO -f CONN``. Before the
 kernel exists, so before any line of the submission runs, :func:`boot`:
@@ -22,8 +26,8 @@ At the end the grader asks for :func:`finish` with a fresh nonce: the fingerprin
 the record echoes the nonce. A submission that disabled the guard sends no such record, and is flagged for that.
 
 What this does not do: the notebook runs in this process, so code written to defeat this module in particular
-(reading its state, writing its own records to the channel) can still forge a record; README "For instructors"
-says so. The sandbox (:mod:`.sandbox`) is what no notebook can get out of; this is what makes cheating visible.
+(reading its state, writing its own records to the channel) can still forge a record -- which now decides no
+verdict: it can only hide a flag. The sandbox (:mod:`.sandbox`) is what no notebook can get out of; this is what makes cheating visible.
 
 Longer than ~300 lines: the hook, the fingerprints and the observer share one state and one idea of "the
 notebook's own code"; split, each part would import the others' private names.

@@ -18,10 +18,12 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["kernel_manager_class", "client_class", "kernel_environment", "capped_client", "GuardChannel", "TAG_VAR"]
+__all__ = ["OUTBOX_DIR", "kernel_manager_class", "client_class", "kernel_environment", "capped_client", "GuardChannel", "TAG_VAR"]
 
 COURSE_ROOT = Path(__file__).resolve().parents[3]          # the checkout holding course_lib
 TAG_VAR = "COURSE_LIB_GRADE_TAG"
+#: The scratch folder's sub-folder where each check's run half writes its plain data (course_lib.checks.judge).
+OUTBOX_DIR = ".outbox"
 
 
 #: How long one wait on a kernel channel lasts before it looks again (see :func:`client_class`).
@@ -91,7 +93,10 @@ def kernel_environment(scratch: Path, tag: str, sandboxed: bool) -> dict[str, st
     home = scratch / ".home"
     for sub in ("tmp", "cache", "config", "mpl", "ipython"):
         (home / sub).mkdir(parents=True, exist_ok=True)
+    from course_lib.checks.judge import OUTBOX_VAR
+    (scratch / OUTBOX_DIR).mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k in _PASSED or k.startswith("COURSE_LIB_")}
+    env[OUTBOX_VAR] = str(scratch / OUTBOX_DIR)        # the checks run their run half only: the judge is outside
     env.update({TAG_VAR: tag, "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
                 "TMPDIR": "/tmp" if sandboxed else str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache"),
                 "XDG_CONFIG_HOME": str(home / "config"), "MPLCONFIGDIR": str(home / "mpl"),

@@ -17,8 +17,10 @@ several submissions share one event loop (``--jobs``) and none can block the oth
   bounds a fork bomb also when the grader runs as root;
 * **output** -- at most :attr:`Limits.cell_output_bytes` per cell and :attr:`Limits.notebook_output_bytes` per
   notebook are kept; the rest is dropped, with one line saying so (:attr:`BoxedRun.truncated_cells`);
-* **verdicts** -- the kernel is :mod:`.guard`, which writes each check's outcome and anything suspicious to a pipe
-  read here (:attr:`BoxedRun.records`); after the last cell the guard is asked for its integrity report;
+* **verdicts** -- decided outside: each check's run half writes plain data to ``scratch/.outbox``, judged by the
+  grader (:mod:`course_lib.checks.judge`); the kernel is :mod:`.guard`, which writes each check's printed outcome and
+  anything suspicious to a pipe read here (:attr:`BoxedRun.records`), for the flags; after the last cell the guard
+  is asked for its integrity report;
 * **processes** -- the kernel's environment carries a fresh tag (:data:`TAG_VAR`); at the end every
   process holding that tag, descending from the kernel or left in its cgroup is killed, and counted.
 

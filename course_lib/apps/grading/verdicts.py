@@ -2,8 +2,8 @@
 
 Words, as the grade report uses them:
 
-* **solved** -- the check decided ✅ inside its own check function (the guard's record, :mod:`.guard`), and
-  nothing flagged the submission;
+* **solved** -- the exercise's judge, run by the grader outside the box on the plain data the check's run half wrote
+  (:mod:`course_lib.checks.judge`), said ✅, and nothing flagged the submission;
 * **flagged** -- it would be solved, but the submission is flagged for review (:func:`flags`: a rule it broke);
 * **wrong** -- it printed ❌ with a diagnosis; ``mistake`` is the tag of the declared mistake the ❌ text
   names (:meth:`~course_lib.checks.registry.Exercise.diagnosis`), or None for an undeclared one;
@@ -14,7 +14,7 @@ Words, as the grade report uses them:
 * a **prediction** is a ``checks.prediction`` line (🎯): ``score`` is ``exact``, ``close``, ``far off`` or
   ``none`` (no number written), ``detail`` the line itself.
 
-Everything here reads text and records: it never runs the learner's code.
+Everything here reads text, records and judges' verdicts: it never runs the learner's code.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from course_lib.checks.core import CRASH_PHRASE
 from course_lib.checks.registry import Exercise, verdict
 
-__all__ = ["VERDICTS", "ExerciseResult", "Prediction", "exercise_result", "predictions", "first_line", "flags",
-           "STATIC_RULES"]
+__all__ = ["VERDICTS", "ExerciseResult", "Prediction", "exercise_result", "judged_result", "predictions", "first_line",
+           "flags", "STATIC_RULES", "reference_flags"]
 
 #: Every verdict, in the order reports list them.
 VERDICTS = ("solved", "wrong", "not attempted", "crashed", "flagged")
@@ -89,6 +89,27 @@ def exercise_result(ex: Exercise, check_text: str, *, error: str | None = None,
     return ExerciseResult(ex.lab, ex.name, "crashed", None, first_line(why))
 
 
+def judged_result(ex: Exercise, verdict, *, error: str | None = None, stopped: str | None = None) -> ExerciseResult:
+    """One exercise's result from its judge's :class:`~course_lib.checks.judge.Verdict` (a graded run).
+
+    ``error`` / ``stopped``: as for :func:`exercise_result`; they explain an exercise whose check sent nothing."""
+    if verdict.state == "solved":
+        return ExerciseResult(ex.lab, ex.name, "solved", None, first_line(verdict.text))
+    if verdict.state == "wrong":
+        lines = verdict.text.splitlines()
+        head = lines[0].split(":", 1)[1].strip() if lines and ":" in lines[0] else first_line(verdict.text)
+        likely = next((l.strip() for l in lines if l.strip().startswith("likely mistake:")), "")
+        return ExerciseResult(ex.lab, ex.name, "wrong", verdict.mistake,
+                              first_line(" ".join(p for p in (head, likely) if p), 300))
+    if verdict.state == "not attempted":
+        return ExerciseResult(ex.lab, ex.name, "not attempted", None, "")
+    if verdict.text.startswith("💥") and (error or stopped):      # sent nothing: say why the notebook did not get there
+        return ExerciseResult(ex.lab, ex.name, "crashed", None,
+                              first_line(error or f"not reached: {stopped}"))
+    head = verdict.text.split(":", 1)[1].strip() if ":" in verdict.text else verdict.text
+    return ExerciseResult(ex.lab, ex.name, "crashed", None, first_line(head or "crashed"))
+
+
 _PRED = re.compile(r"^🎯 (?P<name>.+?): (?P<rest>.*)$")
 
 
@@ -138,8 +159,30 @@ def static_flags(changed_sources: list[str]) -> list[tuple[str, str]]:
     return found
 
 
+def reference_flags(changed_sources: list[str], exercises) -> list[tuple[str, str]]:
+    """("reference use", the line) for each line of the learner's own cells that names a library function declared
+    as solving one of ``exercises`` (the registry's ``references``): its module path, or ``Owner.attr``, or an
+    import of it."""
+    found = []
+    for ex in exercises:
+        for ref in getattr(ex, "references", ()):
+            parts = ref.split(".")
+            owner, attr = parts[-2], parts[-1]
+            pats = [re.escape(ref), rf"\b{re.escape(owner)}\s*\.\s*{re.escape(attr)}\b",
+                    rf"\bimport\b[^#\n]*\b{re.escape(attr)}\b" if len(parts) > 2 else r"(?!)"]
+            mods = [".".join(parts[:k]) for k in range(2, len(parts))]
+            for src in changed_sources:
+                for line in src.splitlines():
+                    code = line.split("#", 1)[0]
+                    if any(re.search(p, code) for p in pats[:2]) or (
+                            re.search(pats[2], code) and any(m in code for m in mods)):
+                        found.append(("reference use", f"{ex.name}: the notebook's code calls the library's own "
+                                                       f"solution {ref}: {first_line(line, 120)}"))
+    return found
+
+
 def flags(records: list[dict], nonce: str, stopped: str | None, printed: dict[str, str],
-          recorded: dict[str, str], changed_sources: list[str]) -> list[tuple[str, str]]:
+          recorded: dict[str, str], changed_sources: list[str], exercises=()) -> list[tuple[str, str]]:
     """Why a submission is flagged for review, as (rule, detail) pairs; empty when nothing is wrong.
 
     ``records``: what the guard wrote; ``nonce``: what its integrity record must echo; ``stopped``: why the run
@@ -159,6 +202,7 @@ def flags(records: list[dict], nonce: str, stopped: str | None, printed: dict[st
             out.append(("forged output", f"{name}: the notebook printed ✅ but its check recorded "
                                          f"{recorded.get(name, 'nothing')}"))
     out += static_flags(changed_sources)
+    out += reference_flags(changed_sources, exercises)
     seen, unique = set(), []
     for item in out:
         if item not in seen:
