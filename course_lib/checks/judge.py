@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -189,7 +190,8 @@ def verdict_of(ex, blob: bytes | None) -> Verdict:
         state = raised.get("state") if raised.get("state") in ("not attempted", "crashed") else "crashed"
         return Verdict(state, str(raised.get("text", ""))[:2000])
     try:
-        detail = _judged(ex.judge, doc["data"], {})
+        with contextlib.redirect_stdout(io.StringIO()):       # assert_close's progress lines: not the grader's output
+            detail = _judged(ex.judge, doc["data"], {})
     except AssertionError as exc:
         text = _wrong_text(ex.name, str(exc))
         return Verdict("wrong", text, ex.diagnosis(text))
