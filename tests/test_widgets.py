@@ -336,3 +336,31 @@ def test_traffic_boxes_coloured_by_mesh_axis():
     assert "box colour = mesh axis" in widget.legend.value and "dp_shard" in widget.legend.value
     with pytest.raises(ValueError, match="color_by"):
         traffic_svg(rows, color_by="phase")
+
+
+def test_every_figure_is_a_picture_where_it_is_the_cells_value():
+    """A Figure made without pyplot shows as '<Figure size ...>' text in a kernel that never imported pyplot; the
+    course's figures carry their own PNG. The y label says 'per step' only when the ledger counts steps."""
+    from course_lib.widgets import ownership_figure, traffic_figure
+    led = Ledger([CollectiveRecord("all_reduce", 4096, "float32", 2, r, (0, 1), None, 0.1 * r, 0.1 * r + 0.05)
+                  for r in range(2)])
+    fig = traffic_figure(led)
+    assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig.axes[1].get_ylabel() == "wire bytes per rank, whole run"
+    assert traffic_figure(_ledger()).axes[1].get_ylabel() == "wire bytes per rank per step"
+    assert ownership_figure(describe_flat([(3, 4), (5,)], 4))._repr_png_()[:4] == b"\x89PNG"
+
+
+def test_no_solution_output_is_a_figure_without_its_picture():
+    """nbval compares no images: this reads every stored output of every solution instead."""
+    import glob
+
+    import nbformat
+    bare = []
+    for path in sorted(glob.glob(str(__import__("pathlib").Path(__file__).parents[1] / "solutions" / "*.ipynb"))):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                data = out.get("data", {})
+                if "<Figure size" in data.get("text/plain", "") and "image/png" not in data:
+                    bare.append(f"{path.rsplit('/', 1)[1]} cell {i}")
+    assert bare == [], f"a figure shown as text only (no PNG): {bare}"

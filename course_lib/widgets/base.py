@@ -9,7 +9,7 @@ import colorsys
 import html
 import io
 
-__all__ = ["short_middle", "svg_size", "rank_color", "palette", "fmt_bytes", "figure_png", "StaticFallback", "PADDING_COLOR", "TABLE_CSS"]
+__all__ = ["short_middle", "svg_size", "rank_color", "palette", "fmt_bytes", "figure_png", "new_figure", "StaticFallback", "PADDING_COLOR", "TABLE_CSS"]
 
 
 _TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -71,6 +71,25 @@ def figure_png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
     return buf.getvalue()
+
+
+_SHOWN: list = []
+
+
+def new_figure(**kwargs):
+    """A matplotlib ``Figure`` (made without pyplot: no global state) that Jupyter shows as a picture.
+
+    A bare ``Figure`` is drawn only where pyplot's inline backend registered its PNG formatter: in a kernel that
+    never imported pyplot, the cell shows ``<Figure size 1000x380 with 2 Axes>`` and no picture. This one carries
+    its own ``_repr_png_``, so every figure the course returns is displayed wherever it is the cell's value."""
+    if not _SHOWN:
+        from matplotlib.figure import Figure
+
+        class ShownFigure(Figure):
+            def _repr_png_(self) -> bytes:
+                return figure_png(self)
+        _SHOWN.append(ShownFigure)
+    return _SHOWN[0](**kwargs)
 
 
 class StaticFallback:

@@ -15,7 +15,7 @@ import ipywidgets as w
 from course_lib.maths.memory import PRECISIONS
 from course_lib.maths.ownership import OWNERSHIP_STRATEGIES, STATES, OwnershipSpec, owners_label, what_if
 from course_lib.widgets.base import (PADDING_COLOR, TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color,
-                                     short_middle, svg_size)
+                                     new_figure, short_middle, svg_size)
 
 __all__ = ["ownership_rects", "member_starts", "ownership_svg", "memory_svg", "slice_table", "ownership_figure", "OwnershipWidget",
            "show_ownership"]
@@ -156,10 +156,9 @@ def slice_table(spec: OwnershipSpec, bar_name: str) -> str:
 # -- ownership: matplotlib (static view) -----------------------------------------------------------------
 def ownership_figure(spec: OwnershipSpec, state: str = "params", max_bars: int | None = None):
     """A matplotlib ``Figure`` of the same picture: the bars (every one unless ``max_bars``), memory per rank."""
-    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
     bars = spec.bars if max_bars is None else spec.bars[:max_bars]
-    fig = Figure(figsize=(10, 1.2 + 0.32 * len(bars) + 0.25 * len(spec.ranks)))
+    fig = new_figure(figsize=(10, 1.2 + 0.32 * len(bars) + 0.25 * len(spec.ranks)))
     gs = fig.add_gridspec(2, 1, height_ratios=[max(1, len(bars)), max(1, len(spec.ranks) * 0.8)])
     ax = fig.add_subplot(gs[0])
     names = [b.name for b in bars]

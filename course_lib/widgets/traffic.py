@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from course_lib.maths.traffic import as_ledger, group_label, traffic_by_group, traffic_compare, traffic_rows, traffic_totals
-from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, rank_color
+from course_lib.widgets.base import TABLE_CSS, StaticFallback, esc, fmt_bytes, new_figure, rank_color
 from course_lib.widgets.timeline_svg import OP_SHORT, PHASE_COLORS, axis_colors, run_order, time_origin, traffic_svg
 
 __all__ = ["show_traffic", "traffic_svg", "traffic_figure", "traffic_text", "TrafficWidget", "PHASE_COLORS", "OP_SHORT",
@@ -99,12 +99,11 @@ def traffic_text(ledger, analytic=None, title=None) -> str:
 def traffic_figure(ledger, analytic=None, title=None, color_by: str = "rank"):
     """Static matplotlib view: the timeline (boxes coloured by rank, or by mesh axis with a legend), and
     measured vs analytic wire bytes per op."""
-    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
     rows = traffic_rows(ledger)
     by_axis = axis_colors(rows)
     ranks = sorted({r["rank"] for r in rows})
-    fig = Figure(figsize=(10, 2.2 + 0.4 * len(ranks)))
+    fig = new_figure(figsize=(10, 2.2 + 0.4 * len(ranks)))
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 1.3]})
     timed = any(r["start"] is not None for r in rows)
     o, k = (time_origin(rows), 1e3) if timed else (0.0, 1.0)     # ms from the origin: never negative
@@ -134,7 +133,8 @@ def traffic_figure(ledger, analytic=None, title=None, color_by: str = "rank"):
     if analytic is not None:
         ax2.bar([x + 0.2 for x in xs], [r["analytic"] or 0 for r in cmp_], 0.4, label="analytic", color="#bbb")
     ax2.set_xticks(list(xs), labels, rotation=45, fontsize=8)
-    ax2.set_ylabel("wire bytes per rank per step")
+    stepped = any(r["step"] is not None for r in rows)     # traffic_compare divides by the steps it can count
+    ax2.set_ylabel("wire bytes per rank per step" if stepped else "wire bytes per rank, whole run")
     ax2.set_ylim(0, 1.3 * max([r["measured"] for r in cmp_] + [r["analytic"] or 0 for r in cmp_] + [1]))
     ax2.legend(fontsize=7, loc="upper right", ncol=2)        # in the headroom above the bars, covering none
     fig.tight_layout()
