@@ -125,8 +125,8 @@ def _leaf_verdict(k: str, t, x: np.ndarray, n: int, passed: list, saved_n: int) 
         return (f"target[{k!r}] is sharded over {saved_n} devices, the target mesh has {devs} → that is the saved "
                 "array's own sharding; build a NamedSharding on the new mesh")
     if not s.get("on_mesh"):
-        on = s.get("devices")
-        return (f"target[{k!r}] has a {s.get('type')} over {on} device{'s' if on != 1 else ''}, not on the mesh you "
+        on, kind = s.get("devices"), s.get("type") if isinstance(s.get("type"), str) else "sharding of unknown kind"
+        return (f"target[{k!r}] has a {kind} over {on} device{'s' if on != 1 else ''}, not on the mesh you "
                 f"were given ({devs}) → the restore would land wherever that sharding says; build a NamedSharding "
                 "on the `mesh` argument")
     want, got = _norm(fsdp_spec(x.shape, n)), _norm(s.get("spec"))
