@@ -49,7 +49,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm
                batch scripts' preflight: the job's shape from Slurm's environment, checked before srun),
                jax_peers (a JAX process that vanished, named before XLA aborts),
-               grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)
+               grading/ (grade a class: intake, sandbox, box, kernel, limits, guard, verdicts, report, grade)
                                                                                              <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,
