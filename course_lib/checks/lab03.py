@@ -27,8 +27,9 @@ import numpy as np
 from course_lib import checks
 from course_lib.checks import plain as _plain
 from course_lib.checks.core import not_implemented_todo
-from course_lib.checks.fsdp_harness import (blocking, ddp_reference, divided_twice, grads_match_ddp, ledger_matches_formula,
-                                            ledger_rows, plumbing_failure, train_learner_class, units_of)
+from course_lib.checks.fsdp_harness import (blocking, ddp_reference, divided_twice, grads_match_ddp,
+                                            ledger_matches_formula, ledger_rows, plumbing_failure,
+                                            train_learner_class, units_of)
 from course_lib.checks.judge import decide, guard as _guard
 from course_lib.checks.registry import exercise
 from course_lib.maths import costs
@@ -452,8 +453,8 @@ def check_unshard_function(fn_cls, world_size: int = 4, name: str = "Unshard") -
     backward reduce-scatters the gradient and divides by N (flat SHARDED again); in float32 and float64."""
     fn_cls = _guard(fn_cls, "03", "Unshard")
     ran: dict = {}
-    ok = decide(name, lab="03", tests=TESTS["Unshard"], run=lambda: ran.setdefault("data", run_unshard(fn_cls, world_size)),
-                judge=judge_unshard, params={"world_size": world_size, "name": name})
+    ok = decide(name, lab="03", tests=TESTS["Unshard"],
+                run=lambda: ran.setdefault("data", run_unshard(fn_cls, world_size)), judge=judge_unshard, params={"world_size": world_size, "name": name})
     if ok:
         MEASURED["Unshard wire bytes"] = unshard_wire_bytes(ran["data"])
     return ok
@@ -526,7 +527,9 @@ def judge_fsdp_class(data, world_size: int = 4, steps: int = 3, name: str = "MyF
     analytic = ledger_matches_formula(data["ledger"], units, world_size, steps)
     root, blocks = flats[0], flats[1:]
     want, peak = root + max(blocks), o.get("peak")
-    if not isinstance(peak, int) or peak > want:
+    if not isinstance(peak, int):
+        raise AssertionError(f"the run measured no peak of gathered bytes (got {peak!r})")
+    if peak > want:
         raise AssertionError(f"the right values and bytes, but {peak:,} parameter bytes were gathered at once; "
                              f"FSDP holds the root and one block at a time, {want:,} bytes (all units: "
                              f"{sum(flats):,})\n   likely mistake: gather only the unit that is about to "
@@ -597,6 +600,8 @@ def judge_prefetch(data, world_size: int = 4, steps: int = 2, name: str = "prefe
     ledger_matches_formula(data["ledger"], units, world_size, steps)
     root, blocks = flats[0], sorted(flats[1:])
     want, peak = root + sum(blocks[-2:]), o.get("peak")
+    if not isinstance(peak, int):
+        raise AssertionError(f"the run measured no peak of gathered bytes (got {peak!r})")
     if peak != want:
         raise AssertionError(f"at most {peak:,} bytes were gathered at once; one unit ahead holds the root "
                              f"and two blocks, {want:,} bytes\n   likely mistake: prefetch exactly the next unit")

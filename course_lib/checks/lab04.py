@@ -61,7 +61,8 @@ TESTS = {
 
 def _ledger_rows(ledger) -> list[dict]:
     """A ledger's records as plain rows (what the judge needs of each)."""
-    return [{k: getattr(r, k) for k in ("op", "nbytes", "dtype", "group_size", "rank", "phase", "step")} for r in ledger]
+    keep = ("op", "nbytes", "dtype", "group_size", "rank", "phase", "step")
+    return [{k: getattr(r, k) for k in keep} for r in ledger]
 
 
 # -- exercise 1: fully_shard bottom-up ------------------------------------------------------
@@ -195,7 +196,8 @@ def judge_shard_model(data: dict, world_size: int = 4, name: str = "shard_model"
                              "what is sent (mp_policy, a bf16 model): shard with the defaults here")
     placements = o.get("placements") if isinstance(o.get("placements"), list) and o.get("placements") else ["?"]
     return (f"{k} units (root + {k - 1} blocks), every parameter a DTensor {placements[0]}; one step: "
-            f"{fwd} all-gathers in forward, {bwd} in backward, {rs} reduce-scatters, {wire:,.0f} wire bytes (the formula)")
+            f"{fwd} all-gathers in forward, {bwd} in backward, {rs} reduce-scatters, {wire:,.0f} wire bytes "
+            "(the formula)")
 
 
 @exercise("04", 'shard_model', cell='def shard_model(', hints=HINTS['shard_model'], tests=TESTS['shard_model'],
@@ -278,7 +280,8 @@ def _plan_mistake(i: int, got: list, want: list, depth: int, L: int, backward: b
 
 
 def _index_lists(x, L: int) -> bool:
-    return isinstance(x, list) and len(x) == L and all(isinstance(v, list) and all(type(j) is int for j in v) for v in x)
+    return isinstance(x, list) and len(x) == L and all(isinstance(v, list) and all(type(j) is int for j in v)
+                                                       for v in x)
 
 
 def judge_prefetch_plan(data: dict, depth: int = 2, name: str = "set_prefetch") -> str:
