@@ -266,7 +266,7 @@ def drift_net():
 DRIFT_CASES = (
     ("every rank identical", {}),
     ("rank 3 initialised head.weight from another seed", {3: [("head.weight", "reseed")]}),
-    ("ranks 2 and 3 swapped two elements of blocks.0.weight (a float sum cannot see it)",
+    ("ranks 2 and 3 swapped two elements of blocks.0.weight (its sum stays the same)",
      {2: [("blocks.0.weight", "swap")], 3: [("blocks.0.weight", "swap")]}),
     ("rank 3 differs in blocks.0.bias by one ulp; rank 1 in blocks.1.weight and rank 2 in head.weight, later in the model",
      {1: [("blocks.1.weight", "reseed")], 3: [("blocks.0.bias", "ulp")], 2: [("head.weight", "reseed")]}),
