@@ -8,10 +8,12 @@ Each check is split in two (:mod:`course_lib.checks.judge`): the *run half* call
 check's inputs and returns what came out as plain data (each value with its type's name and what kind of number it
 is); the *judge half* (``judge_*``) builds the same inputs again, computes the model's or the planner's answer itself
 and names the likely mistake. The ``reference_*`` functions are registered as the exercises' references.
+
 ``HINTS[name]`` holds three layers of hints per exercise: the idea, the method, then near-code; a learner asks
 for them as in every lab, ``checks.hint(name, level)`` (the exercise registry registers them).
 
-Longer than ~300 lines: four exercise checks, each with its fixed cases and the diagnoses of its likely mistakes.
+Longer than ~300 lines: four exercise checks, each with its fixed cases, its run half and its judge half with the
+diagnoses of its likely mistakes.
 """
 from __future__ import annotations
 
@@ -218,8 +220,10 @@ def _ignored_argument(reference, cases, gots, names, same) -> str | None:
 
 
 def run_step_seconds(fn) -> dict:
-    """Run half: the learner's seconds for each case of :data:`_EX1_CASES` (no expected value here)."""
-    return {"got": [_number(fn(*_ex1_args(*case))) for case in _EX1_CASES]}
+    """Run half: the learner's seconds for each case of :data:`_EX1_CASES` (no expected value here); each call gets
+    its own copy of the calibration, so an answer that edits ``comm.fits`` changes nothing the judge reads."""
+    import copy
+    return {"got": [_number(fn(*copy.deepcopy(_ex1_args(*case)))) for case in _EX1_CASES]}
 
 
 def judge_step_seconds(data) -> str:

@@ -12,7 +12,8 @@ and works out the expected answers itself (the hang's collective from the stacks
 bits in one process, the first non-finite record, the reference step's collectives). The cases hold no answers; the
 ``reference_*`` functions are registered as the exercises' references.
 
-Longer than ~300 lines: four exercise checks, each with its fixed cases, its reference and its diagnoses.
+Longer than ~300 lines: four exercise checks, each with its fixed cases, its reference, its run half and its judge
+half with the diagnoses.
 """
 from __future__ import annotations
 
@@ -706,6 +707,8 @@ def judge_spec_fix(data, world_size: int = 4, axis: str = "fsdp") -> str:
         same[k] = _same_layout(entries[k], ref, shape, world_size)
     step = data.get("step") if isinstance(data, dict) else None
     counts = step.get("counts") if isinstance(step, dict) else None
+    if not (isinstance(counts, dict) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts.values())):
+        counts = None
     want = _reference_counts(world_size)
     bad = [k for k in layout if not same[k]]
     if not bad:
