@@ -31,8 +31,9 @@ __all__ = ["HINTS", "COLLECTIVES", "C10D", "stack_text", "HANG_CASES", "referenc
 
 HINTS = {
     "hang_report": [
-        "Every rank's stack ends (innermost) inside torch; the collective a rank waits in is the c10d function "
-        "its code called. The ranks that are *not* waiting in the collective most ranks wait in are the culprits.",
+        "A rank that waits in a collective has torch's distributed code at the inner end of its stack; a rank that "
+        "is not waiting (it returned, or is computing) ends elsewhere -- an idle rank in the launcher's pipe recv. "
+        "The ranks that are *not* waiting in the collective most ranks wait in are the culprits.",
         "Stacks are outermost first. For each rank find the first (outermost) frame whose file is torch's "
         "distributed_c10d.py: its function is the collective (all_gather_object calls all_gather inside: the outer "
         "one is what was called). Count the ops; the most common is the hang's; the others are missing.",
@@ -60,10 +61,11 @@ HINTS = {
     "spec_fix": [
         "An optimizer state is combined element by element with its parameter and its gradient: if it is laid out "
         "differently, XLA must move it every step to make them meet.",
-        "Give each momentum exactly its parameter's layout: the same PartitionSpec (read it off the parameter, "
-        "p.sharding.spec). Neither replicate it (every device holds all of it, and XLA gathers) nor cut every one "
-        "the same way.",
-        "return {name: p.sharding.spec for name, p in params.items()}",
+        "Read the ledger above: one extra all-gather per momentum whose parameter is sharded. Which layout would "
+        "let XLA update a momentum with the gradient shard it already has on each device, moving nothing? Neither "
+        "replicating a momentum nor cutting every one the same way does it: the embedding is cut on its columns.",
+        "Each parameter is a jax.Array that carries its own NamedSharding; what you return per name is a "
+        "PartitionSpec. Print params[name].sharding for two parameters and compare it with the extra collectives.",
     ],
 }
 
