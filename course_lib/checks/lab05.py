@@ -6,6 +6,10 @@ None), per-device shapes, the collectives in the traced programs, the gathered w
 arrays -- and the *judge half* (``judge_fsdp_spec``, ``judge_gather_pair``) rebuilds the inputs, computes the
 expected values itself (the reference rule; the single-device gradient) and names the likely mistake. The mesh
 reaches the judge as plain parameters: its shape and axis names, by default the lab's ``(8,)`` and ``("fsdp",)``.
+
+Longer than ~300 lines: two exercise checks, each with its run half (the shard_map harness that reads shapes,
+collectives and values) and its judge half with the diagnoses of its classic mistakes; and the run / judge helpers
+Lab 06's checks share (a PartitionSpec as plain data; cases run in order, a crash worded by the judge in its turn).
 """
 from __future__ import annotations
 
@@ -120,7 +124,10 @@ def spec_plain(got) -> dict:
     not), else ``{"other": the plain value, "type": its type's name}``."""
     from jax.sharding import PartitionSpec
     if type(got) is not PartitionSpec:
-        return {"other": _plain.plain(got), "type": type(got).__name__}
+        out = {"other": _plain.plain(got), "type": type(got).__name__}
+        if type(got) is np.ndarray:               # NumPy's own repr (an array of axis names is not plain data)
+            out["repr"] = np.array_repr(got)[:300]
+        return out
     out = {"spec": _plain.plain(tuple(got.partitions))}
     for k in ("unreduced", "reduced"):
         if getattr(got, k):
@@ -141,19 +148,23 @@ def spec_shown(d) -> str:
     """Judge half: a returned value that is not a PartitionSpec, for the ❌ line (its repr when it is plain)."""
     other = d.get("other") if isinstance(d, dict) else d
     if isinstance(other, dict) and _plain.UNPLAIN in other:
-        return f"a {d.get('type', other[_plain.UNPLAIN])}"
+        return str(d["repr"]) if isinstance(d.get("repr"), str) else f"a {d.get('type', other[_plain.UNPLAIN])}"
     return repr(other)
 
 
 def crash_record(exc: BaseException) -> dict:
     """Run half: a crash in the learner's code on one case, as plain data; its traceback kept behind the ❌ line
     (``checks.last_error()``). The judge words it (:func:`raise_crash`) when it reaches that case, in order."""
+    import re
     import traceback
 
-    from course_lib.checks.core import _learner_line, keep_error
+    from course_lib.checks.core import keep_error
     text = "".join(traceback.format_exception(exc))
     keep_error(text)
-    return {"crash": {"kind": type(exc).__name__, "msg": str(exc).strip(), "line": _learner_line(text)}}
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(?:\^+\s*)?([^\n]*)', text)
+    line = next((f"line {n}: {code.strip()}" for path, n, code in reversed(frames)     # the last frame in a cell,
+                 if "ipykernel" in path or path.startswith(("<ipython", "<cell"))), "")  # as check() names it
+    return {"crash": {"kind": type(exc).__name__, "msg": str(exc).strip(), "line": line}}
 
 
 def raise_crash(record: dict) -> None:
@@ -167,10 +178,11 @@ def raise_crash(record: dict) -> None:
 
 
 def run_cases(call, cases, record: tuple = ()) -> list:
-    """Run half: ``call(case)`` for each case in order, as ``{"got": ...}``. A crash becomes :func:`crash_record`
-    and ends the run (a check stops at its first crash; the judge decides whether an earlier case was already
-    wrong); a stub's NotImplementedError propagates; an exception of a type in ``record`` (a refusal the
-    exercise asks for) is kept as ``{"raised": type name, "msg": its text}`` and the run goes on."""
+    """Run half: ``call(case)`` for each case in order, as ``{"got": ...}``. A crash in the first case propagates
+    (check() words it, on the rank's line); in a later one it becomes :func:`crash_record` and ends the run (the
+    judge decides whether an earlier case was already wrong); a stub's NotImplementedError propagates; an exception
+    of a type in ``record`` (a refusal the exercise asks for) is kept as ``{"raised": type name, "msg": its text}``
+    and the run goes on."""
     out = []
     for case in cases:
         try:
@@ -180,6 +192,8 @@ def run_cases(call, cases, record: tuple = ()) -> list:
         except record as exc:
             out.append({"raised": type(exc).__name__, "msg": str(exc)})
         except Exception as exc:  # noqa: BLE001 - the learner's crash, worded by the judge in its turn
+            if not out:
+                raise
             out.append(crash_record(exc))
             break
     return out

@@ -552,8 +552,9 @@ def judge_tp_spec(data: dict, name: str = "tp_spec") -> str:
             other = d.get("other") if isinstance(d, dict) else d
             plain_value = not (isinstance(other, dict) and _plain.UNPLAIN in other)
             kind = d.get("type") if isinstance(d, dict) else type(d).__name__
-            raise AssertionError(f"{name}({shape}, fsdp={F}, tensor={T}) returned {kind}"
-                                 + (f" {other!r}" if plain_value else "") + ", not a PartitionSpec: return P(...), "
+            shown = f" {other!r}" if plain_value else f" {d['repr']}" if isinstance(d, dict) and "repr" in d else ""
+            raise AssertionError(f"{name}({shape}, fsdp={F}, tensor={T}) returned {kind}{shown}"
+                                 ", not a PartitionSpec: return P(...), "
                                  "e.g. P('fsdp', 'tensor') or P()")
         if _spec_key(d) == _spec_key(spec_plain(want)):
             continue
