@@ -44,7 +44,7 @@ def test_plain_reads_what_a_value_holds_not_what_it_says():
 
     class ClaimsInt:                                      # isinstance(x, int) is True; int.__repr__(x) would raise
         __class__ = property(lambda self: int)
-    assert plain.plain(ClaimsInt()) == {"unplain": "test_judge.ClaimsInt"}
+    assert plain.plain(ClaimsInt())["unplain"].endswith("ClaimsInt")
     assert plain.plain({(1, 2): [float("nan")]})[(1, 2)][0] != plain.plain({(1, 2): [float("nan")]})[(1, 2)][0]
 
 
