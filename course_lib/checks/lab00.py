@@ -91,6 +91,16 @@ def _rows(records) -> list[dict]:
     return [{"phase": r.phase, "op": r.op, "nbytes": int(r.nbytes), "group_size": int(r.group_size)} for r in records]
 
 
+def _records(rows) -> list[dict]:
+    """Judge half: :func:`_rows` as they came back; AssertionError when they are not such rows."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("op"), str)
+                                             and type(r.get("nbytes")) is int and type(r.get("group_size")) is int
+                                             for r in rows):
+        raise AssertionError("the record of the collectives did not come back: run the check as the lab's cell "
+                             "calls it")
+    return rows
+
+
 # -- exercise 1: all-reduce = reduce-scatter + all-gather, in torch on ranks -------------------------
 def _inputs(rank: int, numel: int):
     """Rank ``r``'s input: distinct in every rank and position, so a misplaced chunk shows."""
@@ -199,15 +209,15 @@ def judge_all_reduce(data: dict, world_size: int = 4, numel: int = 24, name: str
         checks.assert_close(what, _received(ranks[r].get("mean"), what, asked), ref / n, rtol=1e-5, atol=1e-5,
                             hint=[checks.summed_not_averaged(n), checks.averaged_twice(n),
                                   checks.wrong_shard_offset(n)])
-    ledger = data.get("ledger") or []
+    ledger = _records(data.get("ledger"))
     for phase, call in (("sum", f"{name}(x)"), ("mean", f"{name}(x, mean=True)")):
-        problem = _cost_problem([r for r in ledger if r["phase"] == phase], numel, n, call)
+        problem = _cost_problem([r for r in ledger if r.get("phase") == phase], numel, n, call)
         if problem:
             raise AssertionError(problem)
     problem = _input_problem(ranks, x, name)
     if problem:
         raise AssertionError(problem)
-    ops = [r["op"] for r in ledger if r["phase"] == "sum"]
+    ops = [r["op"] for r in ledger if r.get("phase") == "sum"]
     v = numel * 4
     return (f"matches dist.all_reduce on {n} ranks (sum and mean); ledger: {' + '.join(ops)}, "
             f"{2 * wire_bytes('all_gather', v, n):g} wire bytes per rank = all-reduce's "
@@ -399,8 +409,10 @@ def judge_jax_all_reduce(data: dict, mesh_shape: tuple = (8,), axis_names: tuple
                              f"the lab's mesh has {n} (axis {axis_names[0]!r}): pass the lab's mesh")
     err = data.get("error")
     if err is not None:
-        flag = untiled_collective(str(err.get("message", ""))) or "compare each collective's shapes with the block's"
-        raise AssertionError(f"{name} raised {err.get('type')}: {str(err.get('message', '')).splitlines()[0]}\n"
+        err = err if isinstance(err, dict) else {}
+        msg = str(err.get("message", ""))
+        flag = untiled_collective(msg) or "compare each collective's shapes with the block's"
+        raise AssertionError(f"{name} raised {err.get('type')}: {(msg.splitlines() or [''])[0]}\n"
                              f"   likely mistake: {flag}")
     blocks = _blocks(n, numel)
     got = _received(data.get("got"), name, f"an array of the block's shape ({numel},)")
@@ -419,7 +431,7 @@ def judge_jax_all_reduce(data: dict, mesh_shape: tuple = (8,), axis_names: tuple
         checks.assert_close(f"{name} on device {d}", per_device[d], ref, rtol=1e-5, atol=1e-4,
                             hint=[checks.wrong_shard_offset(n), checks.skipped_collective(list(blocks)),
                                   _averaged(n)])
-    records = data.get("hlo") or []
+    records = _records(data.get("hlo"))
     ops, v = [r["op"] for r in records], numel * 4
     sent = sum(wire_bytes(r["op"], r["nbytes"], r["group_size"]) for r in records)
     if "all_reduce" in ops:
