@@ -65,6 +65,8 @@ def _array(value: Any) -> np.ndarray | None:
             out = np.array(np.asarray(value), copy=True)
         else:
             return None
+    if out.dtype.name == "bfloat16":                    # JAX's ml_dtypes bfloat16: its values, as torch's are sent
+        out = out.astype(np.float32)
     if out.dtype == object or out.dtype.kind not in "biufc":
         return None
     return out
