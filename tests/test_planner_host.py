@@ -1,9 +1,11 @@
 """The planner's host term (issue 46): dispatches counted, seconds per dispatch calibrated on one tiny run here,
 and the prediction checked against measured dispatch-bound steps of other tiny models, on this CPU.
 
-Measured (2 cores shared, load 2.9-4.3, torch 2.13): calibration 2.48 us per dispatch + 229 us fixed per step, FSDP2
-414 us per unit; predicted / measured: L6 0.98, L8 1.00, L3 d32 0.90, FSDP2 L6 0.95. One rate for every dispatch
-(no fixed part) was 1.34-1.45x too slow on the deeper models: a step is not all alike dispatches.
+Measured (2 cores shared by other jobs, load 2.7-2.8, torch 2.13): calibration 2.43 us per dispatch + 254 us fixed
+per step, FSDP2 451 us per unit (its 3-layer step); predicted / measured: L6 0.98, L3 d32 0.92, FSDP2 L6 0.98 (earlier
+runs, load 1.6-4.3: 0.98-1.02, 0.90-0.93, 0.95-0.98; an FSDP2 calibration at 1 layer extrapolated to 7 units gave
+0.84 once, hence 3). One rate for every dispatch (no fixed part) was 1.34-1.45x too slow on the deeper models: a step
+is not all alike dispatches.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ A course GPT so small (d 16, 8 tokens) that a training step is nothing but dispa
 step time's (median of ``reps`` after warm-up) slope over the counted dispatches
 (:class:`course_lib.measure.dispatches.DispatchCounter`) is the host's seconds per dispatch, the rest at 1 layer the
 step's fixed Python. The same model under FSDP2 at world size 1 (a group of one) makes more dispatches and runs
-Python in its hooks: what its step takes beyond its dispatches and the fixed part, per unit, is ``FSDP_UNIT_S``. On a GPU box, ``cuda`` runs the tiny model on the GPU, each step ending in a synchronisation:
+Python in its hooks: what its step (3 layers: 4 units) takes beyond its dispatches and the fixed part, per unit, is
+``FSDP_UNIT_S``. On a GPU box, ``cuda`` runs the tiny model on the GPU, each step ending in a synchronisation:
 what a CUDA dispatch costs the host (Python, dispatcher, caching allocator, launch) -- the constants to plan that
 GPU's eager steps with (``planner_host.dispatches_per_step(..., dispatch_s=..., ...)``).
 """
@@ -88,10 +89,10 @@ def calibrate(reps: int = 30, fsdp: bool = True, device: str = "cpu") -> dict:
         import torch.distributed as dist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            nf, tf = _counted_and_timed(tiny_step(fsdp=True, device=device)[0], reps)
+            nf, tf = _counted_and_timed(tiny_step(fsdp=True, n_layers=3, device=device)[0], reps)
         finally:
             dist.destroy_process_group()
-        units = cfg.n_layers + 1
+        units = 3 + 1                    # every block and the root
         out.update(fsdp_dispatches=nf, fsdp_step_s=tf,
                    fsdp_unit_s=(tf - nf * per - out["step_fixed_s"]) / units)
     return out

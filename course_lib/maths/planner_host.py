@@ -61,10 +61,10 @@ EAGER_COUNTS = {(False, False): ((100, 54), (29, 28)), (False, True): ((122, 59)
 #: 2 cores shared by several jobs, load 2-4; medians of 30 steps)
 DISPATCH_S = 2.5e-6
 #: seconds of a step's Python outside its dispatches (AdamW's step(), the loss and the schedule): calibrated with it
-STEP_FIXED_S = 230e-6
+STEP_FIXED_S = 240e-6
 #: seconds of Python in FSDP2's hooks per unit and step (pre/post forward, pre/post backward), beyond its dispatches:
 #: calibrated the same way on FSDP2 at world size 1
-FSDP_UNIT_S = 400e-6
+FSDP_UNIT_S = 450e-6
 #: one CUDA kernel launch from C++ (Inductor's wrapper, XLA's runtime): "a few microseconds" (NVIDIA, "Getting Started
 #: with CUDA Graphs", developer blog, 2019); 3 us assumed
 LAUNCH_S = 3.0e-6

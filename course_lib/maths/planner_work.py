@@ -120,8 +120,10 @@ def recomputed_matmul_fraction(m, checkpointing: str) -> float:
 
 def outside_layers_bytes_per_token(m, autocast: bool = False) -> float:
     """Bytes per token autograd keeps outside the layers: the final norm's input (bf16 2d; fp32 under autocast),
-    the head's input (2d) and the token ids (int64, 8). Measured on the course GPT (tests/test_planner_memory.py);
-    the planner left them out before."""
+    the head's input (2d) and the token ids (int64, 8). Measured on the course GPT (tests/test_planner_memory.py):
+    the layer table alone left them out. The planner adds them on ``course_lib.train``'s path (``autocast`` or the
+    chunked loss), where they were measured; at the published runs' sizes they are under 0.3% of the memory and
+    left out, so those plans (and Lab 08's printed figures) stand as validated."""
     return (4 if autocast else 2) * m.d_model + 2 * m.d_model + 8
 
 
