@@ -57,11 +57,12 @@ def _fsdp_at_world_size_1(cfg):
     try:
         with torch.device("meta"):
             model = TorchGPT(cfg.model_config())
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cfg.bf16 else {}
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = {"mp_policy": mp} if cfg.bf16 else {}
         shard_gpt(model, init_device_mesh("cpu", (1,)), **kw)
         model.to_empty(device="cpu")
         torch_init_(model, cfg.model_config(), cfg.seed)
-        _, opt, sched, data = _plain(cfg)
+        data = _plain(cfg)[3]                    # the same data stream
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, train.Warmup(cfg.warmup))
         return _count(model, opt, sched, data, autocast=False)

@@ -17,7 +17,15 @@ position (global batches, so it means the same at any world size) and each rank'
 same world size continues bit for bit; at another world size DCP reshards on load (RNG left out: the new
 ranks never had one). SIGTERM (what SLURM and torchrun send before a kill) saves a checkpoint at the end of
 the current step, then exits. Rank 0 shows a tqdm bar, appends JSON lines to ``--jsonl`` (step, loss, tokens/s,
-MFU on a GPU, peak memory) and prints the run's collective ledger at the end. One trainer per ``--ckpt-dir``:
+MFU on a GPU, peak memory) and prints the run's collective ledger at the end.
+
+The step keeps the host out of the GPU's way (a fast GPU otherwise waits for Python:
+:mod:`course_lib.maths.planner_host`): at world size 1 the model is not wrapped by ``fully_shard`` (nothing to shard; ``--bf16`` is ``torch.autocast``
+there); each batch is built before the step that uses it (pinned, copied ``non_blocking`` on a GPU); the loss is
+:func:`~course_lib.models.torch_gpt.fused_loss_fn` (fp32 one chunk at a time); nothing waits for the device inside
+a step at world size 1 -- on a GPU, steps are timed with CUDA events and losses read every ``LOG_EVERY_CUDA`` steps
+(and before a save). With several ranks every step still ends in one small all-reduce all ranks wait for: they
+must agree to stop after the same step. One trainer per ``--ckpt-dir``:
 the folder is locked before any rank starts (:mod:`~course_lib.strategies.checkpoint.owner`; a second trainer is
 refused naming the first). Exit status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused
 before training (flags, folder, resume), a signal's 128 + n under ``course_lib.torchrun``.

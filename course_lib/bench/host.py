@@ -103,5 +103,6 @@ if __name__ == "__main__":
     r = calibrate(device=sys.argv[1] if len(sys.argv) > 1 else "cpu")
     print(f"tiny course GPT step: {r['dispatches']} dispatches in {r['step_s'] * 1e3:.3f} ms, 3 layers "
           f"{r['dispatches_3']} in {r['step_s_3'] * 1e3:.3f} ms -> DISPATCH_S = {r['dispatch_s'] * 1e6:.2f} us, "
-          f"STEP_FIXED_S = {r['step_fixed_s'] * 1e6:.0f} us; FSDP2 at world size 1: {r['fsdp_dispatches']} dispatches in "
+          f"STEP_FIXED_S = {r['step_fixed_s'] * 1e6:.0f} us; FSDP2 at world size 1: {r['fsdp_dispatches']} "
+          f"dispatches in "
           f"{r['fsdp_step_s'] * 1e3:.3f} ms -> FSDP_UNIT_S = {r['fsdp_unit_s'] * 1e6:.0f} us per unit")

@@ -20,6 +20,11 @@ FLOPs and bytes counted in :mod:`course_lib.maths.planner_work`:
   reduce and whatever does not fit; the compute slowed by NCCL's borrowed SMs while it hides; tensor
   parallelism's per-layer collectives (on NVLink, on the critical path).
 
+**The host** -- the CPU issuing the step (:mod:`course_lib.maths.planner_host`): dispatches per step, counted for
+the model as written (eager, compiled, XLA; FSDP2's hooks per unit) x seconds per dispatch calibrated on a tiny run.
+``step = max(device, host) + serial host work``; :attr:`Plan.host_bound` when the host is the slower. At the
+published runs' sizes the host never binds (at most 6% of the device's time), so their figures are unchanged.
+
 **MFU** (model FLOPs utilisation) = tokens/s · model FLOPs per token / peak (Chowdhery et al., "PaLM: Scaling
 Language Modeling with Pathways", 2022, appendix B): ``6N + 12·L·d·s`` per token. **HFU** counts what the
 hardware really ran: recomputed matmuls too. Neither counts memory-bound work, which is why a run whose time

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S", "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER", "HostWork",
+__all__ = ["EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S", "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER",
+           "HostWork",
            "dispatches_per_step", "host_seconds", "FRAMEWORKS"]
 
 #: (per layer, base) dispatches of one course-GPT training step, and (per layer, base) of them kernels: counted
@@ -123,7 +124,8 @@ def dispatches_per_step(m, *, fsdp: bool, bf16: bool = True, compile: bool = Fal
         kernels = kbase + round(L * (kper + extra / 2) * (1 + recompute))
         launches = 0
     dispatches, kernels, launches = (grad_accum * x for x in (dispatches, kernels, launches))
-    seconds = dispatches * dispatch_s + (launches + gpu * kernels) * LAUNCH_S + grad_accum * units * fsdp_unit_s + step_fixed_s
+    seconds = (dispatches * dispatch_s + (launches + gpu * kernels) * LAUNCH_S + grad_accum * units * fsdp_unit_s
+               + step_fixed_s)
     return HostWork(dispatches, kernels, launches, units, seconds)
 
 

@@ -44,7 +44,8 @@ FLOPs per token: ``2·(parameters of every matmul)`` forward, twice that backwar
 from __future__ import annotations
 
 __all__ = ["block_matmuls", "matmul_flops_per_token", "attention_flops_per_token", "pointwise_bytes_per_token",
-           "loss_bytes_per_token", "LOSS_KINDS", "LOSS_CHUNK_BYTES", "recomputed_matmul_fraction", "saved_bytes_per_token",
+           "loss_bytes_per_token", "LOSS_KINDS", "LOSS_CHUNK_BYTES", "recomputed_matmul_fraction",
+           "saved_bytes_per_token",
            "outside_layers_bytes_per_token",
            "float8_bytes_per_token"]
 

@@ -17,7 +17,8 @@ from course_lib.models.config import LN_EPS, GPTConfig, init_weights
 __all__ = ["TorchGPT", "Block", "CausalSelfAttention", "MLP", "torch_gpt", "torch_init_", "loss_fn",
            "fused_loss_fn", "to_numpy_weights"]
 
-LOSS_CHUNK_BYTES = 1 << 28   #: fp32 logits of one chunk of :func:`fused_loss_fn` (256 MiB: 2,048 rows of a 32K vocabulary)
+#: fp32 logits of one chunk of :func:`fused_loss_fn` (256 MiB: 2,048 rows of a 32K vocabulary)
+LOSS_CHUNK_BYTES = 1 << 28
 
 
 class CausalSelfAttention(nn.Module):
