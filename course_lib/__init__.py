@@ -31,8 +31,10 @@ private names borrowed across modules). Lowest first, each with what it may impo
                the canonical names (names: the adapters)
                  <- runtime, comm, maths, launch, models, measure
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
-               declared once), judge (each check as a run half and a judge half), plain (the plain data between them), fsdp_harness (Lab 03's training beside DDP), lab00 ... labNN,
-               lab06_tp (Lab 06's PyTorch tensor-parallel exercise)
+               declared once), judge (each check as a run half and a judge half), plain (the plain data between
+               them), fsdp_harness (Lab 03: the learner's class trained on ranks; DDP's numbers in the judge),
+               lab00 ... labNN, lab06_tp (Lab 06's PyTorch tensor-parallel exercise), lab07_judge, lab07_orbax,
+               lab07_crash (Lab 07's judge halves, its Orbax exercise, a rank's crash as plain data)
                  <- the layers above but widgets
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
                  <- runtime, comm, maths, measure
@@ -50,7 +52,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm
                batch scripts' preflight: the job's shape from Slurm's environment, checked before srun),
                jax_peers (a JAX process that vanished, named before XLA aborts),
-               grading/ (grade a class: intake, sandbox, kernel, limits, guard, verdicts, report, grade)
+               grading/ (grade a class: intake, sandbox, box, kernel, limits, guard, verdicts, report, grade)
                                                                                              <- everything
 
 Outside the layers: this module (the public API below) and the entry aliases at the root -- ``__main__``,

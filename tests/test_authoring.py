@@ -259,3 +259,19 @@ def test_bench_unknown_lists_the_available_ones(capsys):
     assert main(["bench", "no_such_thing"]) == 2
     err = capsys.readouterr().err
     assert "no benchmark 'no_such_thing'" in err and "Available:" in err
+
+
+def test_no_solution_shows_a_stray_value():
+    """A cell whose last line is a check or a widget call shows its return value (True, <function ...>) under the
+    output the learner reads: assign it (`_ = ...`). Read from every solution's stored outputs."""
+    import glob
+
+    import nbformat
+    stray = []
+    for path in sorted(glob.glob(str(Path(__file__).resolve().parents[1] / "solutions" / "*.ipynb"))):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                text = out.get("data", {}).get("text/plain", "") if out.get("output_type") == "execute_result" else ""
+                if text in ("True", "False", "None") or text.startswith("<function "):
+                    stray.append(f"{Path(path).name} cell {i}: {text[:40]}")
+    assert stray == [], f"stray values shown: {stray}"

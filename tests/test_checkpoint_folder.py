@@ -120,7 +120,7 @@ def test_the_lock_is_one_owner_and_released_on_every_exit_path(tmp_path):
     assert not (tmp_path / owner.LOCK_FILE).exists()
     # SIGKILL: the kernel releases the lock; the file names a dead owner, which the next taker recognises
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; from course_lib.strategies.checkpoint import "
-                              "owner; owner.take(sys.argv[1], command='doomed'); print('held', flush=True); "
+                              "owner; lock = owner.take(sys.argv[1], command='doomed'); print('held', flush=True); "
                               "time.sleep(60)", str(tmp_path)], env=ENV, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "held"
     with pytest.raises(owner.FolderBusy, match=f"doomed, pid {child.pid}"):
@@ -144,10 +144,12 @@ def test_pruning_never_removes_a_step_another_run_wrote(tmp_path):
     other = cm.Checkpointer(tmp_path, keep=2)
     _save_steps(other, (1, 2))
     theirs = _crcs(tmp_path)
-    mine = cm.Checkpointer(tmp_path, keep=2)          # another run, same folder (no lock in a notebook)
+    other.close()                                     # runs one after another: at the same time, the second is
+    mine = cm.Checkpointer(tmp_path, keep=2)          # refused (the folder's lock: tests/test_checkpoint_owner.py)
     _save_steps(mine, (3, 4, 5))
     assert mine.steps() == [1, 2, 4, 5]               # its own step 3 pruned; the other run's 1 and 2 untouched
     assert {k: v for k, v in _crcs(tmp_path).items() if k in theirs} == theirs
+    mine.close()
     with pytest.raises(cm.CheckpointWriteError, match=r"step 2 already exists, written by run \w+ \(not this one\)"):
         _save_steps(cm.Checkpointer(tmp_path, keep=2), (2,))   # a third run saving the same step number
     assert {k: v for k, v in _crcs(tmp_path).items() if k in theirs} == theirs and not list(tmp_path.glob("*.partial"))

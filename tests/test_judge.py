@@ -41,6 +41,10 @@ def test_plain_reads_what_a_value_holds_not_what_it_says():
     t = torch.arange(3.0).as_subclass(LyingTensor)
     np.testing.assert_array_equal(plain.plain(t), [0.0, 1.0, 2.0])
     assert plain.plain(object()) == {"unplain": "object"}
+
+    class ClaimsInt:                                      # isinstance(x, int) is True; int.__repr__(x) would raise
+        __class__ = property(lambda self: int)
+    assert plain.plain(ClaimsInt())["unplain"].endswith("ClaimsInt")
     assert plain.plain({(1, 2): [float("nan")]})[(1, 2)][0] != plain.plain({(1, 2): [float("nan")]})[(1, 2)][0]
 
 

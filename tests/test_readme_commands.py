@@ -53,6 +53,7 @@ RUNS = {
     "python -m course_lib bench fsdp": (HERE + "test_bench_fsdp_tiniest", '"fsdp"'),
     "python -m course_lib bench step-time": (HERE + "test_bench_step_time_tiniest", '"step-time"'),
     "python -m course_lib bench timeline": (HERE + "test_bench_timeline_tiniest", '"timeline"'),
+    "python -m course_lib bench labs": (HERE + "test_bench_labs_tiniest", '"labs"'),
     "python -m course_lib bench two-node": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
                                             '"two-node"'),
     # the worker torchrun starts on each "node" of `bench two-node` (the test asserts the report it feeds)
@@ -272,3 +273,17 @@ def test_capstone_help_and_a_two_step_run(tmp_path, script, extra):
          timeout=300)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [0, 1] and rows[-1].get("summary") is True
+
+
+def test_bench_labs_tiniest(tmp_path):
+    """``bench labs`` on a two-cell notebook that states its time: its seconds beside the stated range, a verdict."""
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# A lab\n\nRun untouched, the notebook takes 0.5–60 s on 2 CPU cores."),
+        nbformat.v4.new_code_cell("x = 1 + 1")])
+    nbformat.write(nb, tmp_path / "00_tiny.ipynb")
+    done = subprocess.run([PY, "-m", "course_lib", "bench", "labs", "--dir", str(tmp_path)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("00_tiny") or "00_tiny.ipynb " in line)
+    assert "0.5–60 s" in row and ("in range" in row or "faster" in row), done.stdout

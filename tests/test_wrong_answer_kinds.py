@@ -91,6 +91,9 @@ def test_a_wrong_answer_is_rejected_with_its_diagnosis(w, monkeypatch, capsys, t
         assert line is not None, f"{w.lab}/{w.exercise} ({w.why}): no '❌ {ex.name}:' line in:\n{out}"
         block = out[out.index(line):]
         assert "Traceback" not in block, f"{w.lab}/{w.exercise}: a traceback in the ❌ block:\n{block}"
+        if "your code raised" in line:      # a crash is named: the call, the line, and its likely cause
+            assert "likely cause:" in block.split("\n   The rest of the lab")[0], \
+                f"{w.lab}/{w.exercise} ({w.why}): a raw exception, no likely cause named:\n{block}"
         for s in (ex.mistakes[w.tag], *w.more):
             assert s in block, f"{w.lab}/{w.exercise} ({w.why}): {s!r} not in\n{block}"
         assert registry.verdict(ex, out) == ("wrong", w.tag), \

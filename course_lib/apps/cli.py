@@ -168,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cell-timeout", type=float, default=Limits.cell_s, help="seconds per cell (default %(default)g)")
     s.add_argument("--timeout", type=float, default=Limits.notebook_s, help="seconds per notebook (default %(default)g)")
     s.add_argument("--memory-gb", type=float, default=Limits.memory_bytes / 2**30,
-                   help="address-space limit per process, GiB (default %(default)g)")
+                   help="memory limit per submission, GiB: each process's address space, and (run as root) "
+                        "all of its RAM, /tmp and scratch files included (default %(default)g)")
+    s.add_argument("--scratch-gb", type=float, default=Limits.scratch_bytes / 2**30,
+                   help="disk for a submission's scratch folder, GiB (run as root: a size-limited tmpfs; "
+                        "default %(default)g)")
     s.add_argument("--out", type=Path, default=Path("."), help="where grades.csv, report.html, notebooks/ go")
     s.add_argument("--labs", type=Path, default=root / "labs", help="the labs as shipped (default: the course's)")
     s.add_argument("--processes", type=int, default=Limits.nproc,

@@ -2,9 +2,7 @@
 
 Under ``jax.distributed`` a dead process is noticed by the coordination service after its heartbeat timeout;
 XLA then ends every survivor with ``LOG(FATAL)``: SIGABRT, a C++ stack and no word of which process died or
-at which step. (jaxlib's ``missed_heartbeat_callback``, the runtime's hook for this, is not reachable through
-``jax.distributed.initialize`` in jax 0.10, and called by hand it aborts with ``std::bad_cast``.) So each
-process runs a :class:`PeerWatch` thread on the service's key-value store:
+at which step. So each process runs a :class:`PeerWatch` thread on the service's key-value store:
 
 * at start every process publishes its host and pid (``course_lib/peers/<i>``);
 * every ``POLL_S`` the thread looks at each peer: on this host, whether its pid still runs (a zombie counts as
@@ -14,6 +12,20 @@ process runs a :class:`PeerWatch` thread on the service's key-value store:
   last complete checkpoint, then ``os._exit(PEER_LOST_EXIT)``: no atexit shutdown barrier that would wait for
   the dead, no C++ dump. ``stale_s`` is below the service's heartbeat timeout, so this comes first.
 
+**The coordinator (process 0).** It hosts the service, so its death is seen first by XLA itself, not by a
+heartbeat: the survivor's error-polling RPC fails as the kernel closes the dead process's sockets -- before a
+pidfd on it fires -- and XLA calls the client's ``missed_heartbeat_callback``, by default ``LOG(FATAL)`` with its
+C++ stack, 0.02-0.07 s after the kill (measured here, 2 processes, idle or inside gloo collectives). No Python
+thread can win that race, and jaxlib 0.10 cannot call a Python callback there: the callback's ``absl::Status``
+argument has no Python type, so the call throws ``std::bad_cast`` on XLA's thread, i.e. ``std::terminate``. What
+XLA allows is therefore: :func:`initialize` passes a callback (``jax.distributed.initialize`` offers none), so
+the fatal path becomes ``std::terminate`` instead of ``LOG(FATAL)`` (no F-line, no C++ stack), and the
+:class:`PeerWatch` owns ``std::terminate`` (libstdc++'s ``std::set_terminate``, through ctypes): it prints the
+one course line -- the coordinator named, this process's step, the last checkpoint -- and exits
+``PEER_LOST_EXIT``. XLA's own ``E``/``W`` log lines of the failed RPC ("Polled an error from coordination
+service") still come first: they are printed before the callback runs. Where either hook is unavailable (another
+jaxlib, libc++), the behaviour is XLA's abort, as before.
+
 The training loop also asks :meth:`PeerWatch.verdict` when a collective fails (gloo reports a closed connection
 at once, as a Python exception): the line and the exit come from here too, not a traceback. Before a normal
 ``jax.distributed.shutdown()`` each process marks itself done (:meth:`PeerWatch.stop`), so a peer that finished
@@ -21,6 +33,7 @@ first is not taken for dead.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -33,6 +46,64 @@ __all__ = ["PeerWatch", "PEER_LOST_EXIT"]
 
 PEER_LOST_EXIT = 3   #: exit status of a process that stopped because a peer vanished (2: bad config, 1: error)
 POLL_S = 0.25
+
+
+def initialize(coordinator, **kwargs) -> None:
+    """``jax.distributed.initialize(coordinator, **kwargs)``, its client made with a ``missed_heartbeat_callback``
+    (see the module docstring: the fatal path becomes ``std::terminate``, which a :class:`PeerWatch` turns into
+    one line). Falls back to the plain call when this jaxlib's client takes no such callback."""
+    import jax
+    import jax._src.distributed as jd
+    real = jd._jax
+    if "missed_heartbeat_callback" not in (getattr(real.get_distributed_runtime_client, "__doc__", "") or ""):
+        return jax.distributed.initialize(coordinator, **kwargs)
+
+    def no_status(*_):   # jaxlib 0.10 never gets here (std::bad_cast on its absl::Status); a jaxlib that can:
+        for watch in list(_WATCHES):   # the same line as from std::terminate
+            watch._on_terminate()
+        os.abort()
+
+    class _WithCallback:   # jax's module of bindings, with the client factory given the callback
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def get_distributed_runtime_client(*a, **kw):
+            kw.setdefault("missed_heartbeat_callback", no_status)
+            return real.get_distributed_runtime_client(*a, **kw)
+    jd._jax = _WithCallback()
+    try:
+        jax.distributed.initialize(coordinator, **kwargs)
+    finally:
+        jd._jax = real
+
+
+_TERMINATE = {}   # the installed std::terminate handler (kept alive) and the one it replaced
+_WATCHES: list = []   # the PeerWatch of this process (one per jax.distributed job)
+
+
+def _own_terminate(handler) -> bool:
+    """Make ``handler`` (a Python function of no arguments) libstdc++'s ``std::terminate`` handler. False when
+    the process has no libstdc++ to ask (then XLA's abort stays as it is)."""
+    try:
+        std = ctypes.CDLL("libstdc++.so.6")
+        set_terminate = std._ZSt13set_terminatePFvvE
+    except (OSError, AttributeError):
+        return False
+    proto = ctypes.CFUNCTYPE(None)
+    set_terminate.restype, set_terminate.argtypes = ctypes.c_void_p, [proto]
+    fn = proto(handler)
+    old = set_terminate(fn)
+    _TERMINATE.setdefault("previous", old)
+    _TERMINATE["handler"] = fn
+    return True
+
+
+def _previous_terminate() -> None:
+    old = _TERMINATE.get("previous")
+    if old:
+        ctypes.CFUNCTYPE(None)(old)()   # libstdc++'s verbose handler: prints, aborts
+    os.abort()
 
 
 def _alive(pid: int) -> bool:
@@ -62,6 +133,8 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="course_lib-peer-watch", daemon=True)
         self._thread.start()
+        _own_terminate(self._on_terminate)
+        _WATCHES[:] = [self]
         local = {q: info["pid"] for q, info in self.peers.items() if info["host"] == self.host}
         if local and hasattr(os, "pidfd_open"):   # Linux: woken the instant a peer on this host exits
             threading.Thread(target=self._wait_for_exit, args=(local,), name="course_lib-peer-exit",
@@ -79,9 +152,8 @@ class PeerWatch:
             self.check()
 
     def _wait_for_exit(self, local: dict) -> None:
-        """Block on a pidfd per peer on this host: its exit wakes this thread at once -- sooner than XLA's own
-        reaction when the peer was the coordinator (its error poll aborts this process a fraction of a second
-        after the connection drops), so the line comes first."""
+        """Block on a pidfd per peer on this host: its exit wakes this thread at once (sooner than the heartbeat;
+        for the coordinator XLA's error poll is sooner still: :meth:`_on_terminate` speaks then)."""
         import select
         fds = {}
         for q, pid in local.items():
@@ -98,6 +170,20 @@ class PeerWatch:
                 if not self._done(q):
                     self._lost(q, "its process is gone")
                 poller.unregister(fd)
+
+    def _on_terminate(self) -> None:
+        """``std::terminate`` on any thread -- XLA's fatal error of the distributed service (see the module
+        docstring) or another C++ failure: one course line and ``PEER_LOST_EXIT`` while watching, else the
+        previous handler (after :meth:`stop`, a C++ failure is not a peer's death)."""
+        if self._stop.is_set():
+            _previous_terminate()
+        for q, info in self.peers.items():   # no RPC here: the service may be gone
+            if info["host"] == self.host and not _alive(info["pid"]):
+                self._lost(q, "its process is gone")
+        if self.process != 0:
+            self._lost(0, "XLA lost jax.distributed's service, which runs in it")
+        self._lost(None, "XLA's distributed service reported a fatal error: a process died or the network failed")
+        _previous_terminate()
 
     def check(self) -> None:
         """One look at every peer; exits the process (never returns) when one vanished."""
@@ -135,8 +221,9 @@ class PeerWatch:
                 return
             info = self.peers.get(q, {})
             last = self._last_checkpoint()
-            print(f"\n{self.prog}: process {q} of {self.nproc} (pid {info.get('pid', '?')} on {info.get('host', '?')}) "
-                  f"vanished ({why}) while this process {self.process} was at step {self.where.get('step')}; "
+            who = (f"process {q} of {self.nproc} (pid {info.get('pid', '?')} on {info.get('host', '?')}) vanished "
+                   f"({why})" if q is not None else f"a process of {self.nproc} is gone ({why})")
+            print(f"\n{self.prog}: {who} while this process {self.process} was at step {self.where.get('step')}; "
                   f"stopping (exit {PEER_LOST_EXIT}). The last complete checkpoint is {last}: start every process "
                   "again with --resume", file=sys.stderr, flush=True)
             try:

@@ -17,18 +17,20 @@ position (global batches, so it means the same at any world size) and each rank'
 same world size continues bit for bit; at another world size DCP reshards on load (RNG left out: the new
 ranks never had one). SIGTERM (what SLURM and torchrun send before a kill) saves a checkpoint at the end of
 the current step, then exits. Rank 0 shows a tqdm bar, appends JSON lines to ``--jsonl`` (step, loss, tokens/s,
-MFU on a GPU, peak memory) and prints the run's collective ledger at the end.
+MFU on a GPU, peak memory) and prints the run's collective ledger at the end. One trainer per ``--ckpt-dir``:
+the library's ``Checkpointer`` takes the folder's owner lock right after the process group starts, before the
+model is built (``python -m course_lib.torchrun`` takes it before any rank starts, and the ranks recognise their
+run's id); a second trainer is refused naming the first (:mod:`~course_lib.strategies.checkpoint.owner`). Exit
+status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused before training (flags, folder,
+resume), a signal's 128 + n under ``course_lib.torchrun``.
 
 The step keeps the host out of the GPU's way (a fast GPU otherwise waits for Python:
-:mod:`course_lib.maths.planner_host`): at world size 1 the model is not wrapped by ``fully_shard`` (nothing to shard; ``--bf16`` is ``torch.autocast``
-there); each batch is built before the step that uses it (pinned, copied ``non_blocking`` on a GPU); the loss is
-:func:`~course_lib.models.torch_gpt.fused_loss_fn` (fp32 one chunk at a time); nothing waits for the device inside
-a step at world size 1 -- on a GPU, steps are timed with CUDA events and losses read every ``LOG_EVERY_CUDA`` steps
-(and before a save). With several ranks every step still ends in one small all-reduce all ranks wait for: they
-must agree to stop after the same step. One trainer per ``--ckpt-dir``:
-the folder is locked before any rank starts (:mod:`~course_lib.strategies.checkpoint.owner`; a second trainer is
-refused naming the first). Exit status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused
-before training (flags, folder, resume), a signal's 128 + n under ``course_lib.torchrun``.
+:mod:`course_lib.maths.planner_host`): at world size 1 the model is not wrapped by ``fully_shard`` (nothing to
+shard; ``--bf16`` is ``torch.autocast`` there); each batch is built before the step that uses it (pinned, copied
+``non_blocking`` on a GPU); the loss is :func:`~course_lib.models.torch_gpt.fused_loss_fn` (fp32 one chunk at a
+time); nothing waits for the device inside a step at world size 1 -- on a GPU, steps are timed with CUDA events and
+losses read every ``LOG_EVERY_CUDA`` steps (and before a save). With several ranks every step still ends in one
+small all-reduce all ranks wait for: they must agree to stop after the same step.
 
 As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism": shard each block, then
 the root; save and load with DCP on every rank.
@@ -249,23 +251,6 @@ def preflight(args, world: int, local_ranks: int | None = None):
     return cfg
 
 
-def take_folder(cfg, rank: int):
-    """Rank 0 (or ``python -m course_lib.torchrun``, before any rank starts) takes the checkpoint folder for
-    this run: :func:`~course_lib.strategies.checkpoint.owner.take`. Returns the lock (None on other ranks, or
-    when the agent holds it: then its run id is in ``COURSE_LIB_CKPT_LOCK``); raises ``FolderBusy``."""
-    from course_lib.strategies.checkpoint import owner
-    if not cfg.ckpt_dir or rank != 0:
-        return None
-    held = os.environ.get(LOCK_ENV)
-    if held and (owner.holder(cfg.ckpt_dir) or {}).get("run_id") == held:
-        return None
-    lock = owner.take(cfg.ckpt_dir, command="python -m course_lib.train", run_id=held or None)
-    if lock.stale:
-        print(f"course_lib.train: {cfg.ckpt_dir} was held by {owner.describe(lock.stale)}, which is no longer "
-              "running: taken over", file=sys.stderr, flush=True)
-    return lock
-
-
 def parser(rank: int = 0) -> argparse.ArgumentParser:
     p = add_arguments(argparse.ArgumentParser(prog="python -m course_lib.train", description=__doc__.split("\n")[0]))
     return quiet_parser_errors(p, rank)
@@ -276,11 +261,9 @@ def main(argv=None) -> int:
     world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     args = parser(rank_env).parse_args(argv)
     from course_lib.strategies.checkpoint.owner import FolderBusy   # imports no torch
-    lock = None
     try:   # before any process group, model or data: every rank fails alike, rank 0 says why
         cfg = preflight(args, world_env)
-        lock = take_folder(cfg, rank_env)
-    except (ConfigError, FolderBusy) as e:
+    except ConfigError as e:
         if rank_env == 0:
             print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
         wait_for_rank_0(rank_env)
@@ -288,21 +271,23 @@ def main(argv=None) -> int:
     from course_lib.strategies.checkpoint.manager import CheckpointWriteError   # imports no torch
     from course_lib.launch.pool import PRELOAD
     import_quickly(PRELOAD["full"])   # what a rank needs, the collector paused: ~0.5 s less start-up per rank
+    opened = []   # the Checkpointer, once made: its folder is released on every way out of here
     try:
-        return _train(cfg, lock.run_id if lock else os.environ.get(LOCK_ENV))
-    except (CheckpointWriteError, ConfigError) as e:   # the probe, a failed save, a resume refused: one line
-        if rank_env == 0:
+        return _train(cfg, os.environ.get(LOCK_ENV), opened)
+    except (CheckpointWriteError, ConfigError, FolderBusy) as e:   # the folder's lock or probe, a failed save, a
+        if rank_env == 0:                                             # resume refused: one line
             print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
         return 1 if isinstance(e, CheckpointWriteError) else 2
     finally:
-        if lock:
-            lock.release()
+        for ckpt in opened:
+            if ckpt.owner is not None:
+                ckpt.owner.release()
 
 
-def _train(cfg, run_id: str | None = None) -> int:
+def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     import torch
     import torch.distributed as dist
     from tqdm.auto import tqdm
@@ -313,9 +298,16 @@ def _train(cfg, run_id: str | None = None) -> int:
     rank, world, device = _init_process_group()
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
-    model, opt, sched, data = build(cfg, device)
-    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, probe=True, run_id=run_id,
+    # the folder's lock and write probe before the model is built: a second trainer is refused in seconds
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, probe=True, run_id=run_id, command="python -m course_lib.train",
                         on_save_error="raise" if cfg.save_errors == "stop" else "warn") if cfg.ckpt_dir else None
+    if ckpt and opened is not None:
+        opened.append(ckpt)
+    if ckpt and ckpt.taken_over:
+        from course_lib.strategies.checkpoint.owner import describe
+        print(f"course_lib.train: {cfg.ckpt_dir} was held by {describe(ckpt.taken_over)}, which is no longer "
+              "running: taken over", file=sys.stderr, flush=True)
+    model, opt, sched, data = build(cfg, device)
     try:
         start = _resume(ckpt, model, opt, sched, data, rank, world) if (ckpt and cfg.resume) else 0
     except (CheckpointCorrupt, CheckpointMismatch, FileNotFoundError, ValueError) as e:
@@ -415,6 +407,8 @@ def _train(cfg, run_id: str | None = None) -> int:
         if log:
             log.write(json.dumps(summary) + "\n")
             log.close()
+    if ckpt:
+        ckpt.close()   # the folder is free again
     dist.destroy_process_group()
     return 0
 

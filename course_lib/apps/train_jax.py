@@ -66,8 +66,9 @@ def _initialize(a) -> None:
         # waiting ~94 s; PEER_TIMEOUT_S makes it seconds (a healthy process heartbeats every few seconds).
         kw = {k: PEER_TIMEOUT_S for k in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds")
               if k in inspect.signature(jax.distributed.initialize).parameters}
-        jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                                   initialization_timeout=120, **kw)
+        from course_lib.apps.jax_peers import initialize   # XLA's fatal path made one that PeerWatch can name
+        initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
+                   initialization_timeout=120, **kw)
 
 
 def make_step(mesh, rule, bf16: bool, remat: bool, model, opt):
@@ -212,30 +213,20 @@ def check_checkpoint_fits(cfg) -> None:
 
 
 def _take_folder(cfg, pid: int, nproc: int):
-    """Process 0 takes the checkpoint folder (:mod:`course_lib.strategies.checkpoint.owner`) and tells the others
-    through jax.distributed's key-value store; a refusal is :class:`ConfigError` on every process (one line from
-    process 0). Returns the lock on process 0 (None elsewhere, or without --ckpt-dir)."""
+    """The checkpoint folder taken for this run before the model is built, through the library
+    (:func:`course_lib.strategies.checkpoint.jax.claim_folder`: process 0 takes it, every process learns the
+    answer); a refusal is :class:`ConfigError` on every process (one line from process 0). Returns the lock on
+    process 0 (None elsewhere, or without --ckpt-dir). The Orbax manager is then made with ``lock=False``."""
     if not cfg.ckpt_dir:
         return None
-    from course_lib.strategies.checkpoint import owner
-    lock, refused = None, ""
-    if pid == 0:
-        try:
-            lock = owner.take(cfg.ckpt_dir, command="python -m course_lib.train_jax")
-            if lock.stale:
-                print(f"course_lib.train_jax: {cfg.ckpt_dir} was held by {owner.describe(lock.stale)}, which is no "
-                      "longer running: taken over", file=sys.stderr, flush=True)
-        except owner.FolderBusy as e:
-            refused = str(e)
-    if nproc > 1:
-        from jax._src.distributed import global_state
-        if pid == 0:
-            global_state.client.key_value_set("course_lib/folder", refused or "ok")
-        else:
-            said = global_state.client.blocking_key_value_get("course_lib/folder", 120_000)
-            refused = "" if said == "ok" else said
-    if refused:
-        raise ConfigError(refused)
+    from course_lib.strategies.checkpoint import jax as checkpoint_jax, owner
+    try:
+        lock = checkpoint_jax.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
+    except (owner.FolderBusy, OSError) as e:
+        raise ConfigError(str(e)) from None
+    if lock is not None and lock.stale:
+        print(f"course_lib.train_jax: {cfg.ckpt_dir} was held by {owner.describe(lock.stale)}, which is no "
+              "longer running: taken over", file=sys.stderr, flush=True)
     return lock
 
 
@@ -272,7 +263,7 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
 
     mngr, start = None, 0
     if cfg.ckpt_dir:
-        mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep)
+        mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep, lock=False)   # main() holds the folder
         latest = mngr.latest_step() if cfg.resume else None
         if cfg.resume and pid == 0:   # saves that never committed (a killed process): passed over, and said so
             for name in checkpoint_jax.incomplete_steps(cfg.ckpt_dir):

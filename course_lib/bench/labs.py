@@ -1,6 +1,6 @@
 """Each lab's run time against the time its first cell states: where the stated times come from.
 
-    python -m course_lib bench labs [--pattern '0[3-5]_*.ipynb'] [--solutions] [--timeout S]
+    python -m course_lib bench labs [--pattern '0[3-5]_*.ipynb'] [--solutions | --dir DIR] [--timeout S]
 
 Runs every lab in ``labs/`` exactly as a learner receives it (stubs, no outputs), one after another in a fresh
 kernel each, and prints its seconds beside the stated range (:mod:`course_lib.authoring.lab_time`):
@@ -36,9 +36,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib bench labs", description=__doc__.split("\n\n")[0])
     p.add_argument("--pattern", default="[0-9][0-9]_*.ipynb", help="glob inside the folder")
     p.add_argument("--solutions", action="store_true", help="time solutions/ instead (every exercise solved)")
+    p.add_argument("--dir", type=Path, default=None, help="time the notebooks of this folder instead")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell (default 600)")
     args = p.parse_args(argv)
-    folder = ROOT / ("solutions" if args.solutions else "labs")
+    folder = args.dir or ROOT / ("solutions" if args.solutions else "labs")
     paths = sorted(folder.glob(args.pattern))
     if not paths:
         print(f"no notebooks match {folder / args.pattern}")
@@ -47,8 +48,9 @@ def main(argv=None) -> int:
     for path in paths:
         r = run_notebook(path, timeout=args.timeout)
         failed += not r.ok
-        verdict = lab_time.verdict(ROOT / "labs" / path.name, r.seconds) if r.ok else r.status
-        rows.append((r.notebook, f"{r.seconds:.1f}", _stated(ROOT / "labs" / path.name), verdict))
+        stated = path if args.dir else ROOT / "labs" / path.name       # a lab's sentence is in its first cell
+        verdict = lab_time.verdict(stated, r.seconds) if r.ok else r.status
+        rows.append((r.notebook, f"{r.seconds:.1f}", _stated(stated), verdict))
         print(f"  {r.notebook}: {r.seconds:.1f} s, {verdict}", flush=True)
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:

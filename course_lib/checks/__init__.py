@@ -5,7 +5,9 @@ compares values (tolerances, detectors of likely mistakes), :mod:`~course_lib.ch
 learner's prediction beside the measurement; ``labNN`` holds lab NN's checks, named like its
 tests (``tests/test_labNN_checks.py``), each declared once in :mod:`~course_lib.checks.registry` (which the
 wrong-answer tests, the kill-rate table and grading read); :mod:`~course_lib.checks.fsdp_harness` trains a
-learner's FSDP class beside DDP for Lab 03. ``from course_lib import checks`` gives the framework's names.
+learner's FSDP class on ranks for Lab 03 (DDP's numbers are computed by the judge). Every check is a run half and a
+judge half (:mod:`~course_lib.checks.judge`): the run half hands plain data (:mod:`~course_lib.checks.plain`) to the
+judge, which decides -- in the kernel in a lab, outside the box in grading. ``from course_lib import checks`` gives the framework's names.
 """
 from course_lib.checks.compare import (TOLERANCES, assert_close, averaged_twice, not_updated, parity_check,
                                        skipped_collective, summed_not_averaged, wrong_shard_offset)

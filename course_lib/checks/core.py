@@ -192,6 +192,14 @@ _CAUSES: list[tuple[str | None, str, str]] = [
     (None, r"size|shape|must match|mismatch|elements|dimension|divisible|out of bounds",
      "a tensor's shape or size is not what this call expects: print the shapes going into that line "
      "(padding? the dim you cut? numel // N?)"),
+    (None, r"arg is an empty sequence|empty sequence|iterable argument is empty",
+     "min() / max() of an empty list: a case where nothing qualifies (no fit, a healthy run) -- decide what to "
+     "return then (None?) before taking the extreme"),
+    (None, r"not enough values to unpack|too many values to unpack",
+     "unpacking assumes a length the value does not have: a 1-D shape has one dim, a 3-D one three"),
+    ("TypeError", r"not supported between instances of",
+     "comparing values of different kinds (a None among strings or numbers): leave out the None entries, or give "
+     "them a key that sorts"),
     ("AttributeError", "", "a misspelt name, or an object that is not the type you think it is"),
     ("NameError", "", "a name from an earlier cell is not defined here: run the lab's cells above, in order"),
     ("TypeError", r"operand|not callable|not subscriptable|builtin_function_or_method|method",

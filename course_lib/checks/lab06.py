@@ -5,16 +5,26 @@ The mesh check runs the learner's code on 8 gloo ranks as (replicate 2, shard 4)
 swapped axes cannot pass by symmetry -- and reads the placements *and* the ledger (which group each
 collective ran over). The others are pure: several cases each, awkward ones included (F = 1, F = N).
 
-Longer than ~300 lines: four exercise checks, each with its cases and the diagnoses of its classic mistakes.
+Each check is split (:mod:`course_lib.checks.judge`): the *run half* calls the learner's function on the check's
+inputs and returns what came out as plain data (the mesh's shape and names, placements as text, ledger rows; the
+numbers; a PartitionSpec as its entries), and the *judge half* (``judge_hsdp_shard``, ``judge_axis_bytes``,
+``judge_choose_f``, ``judge_tp_spec``) computes the expected values itself (the ring formulas, the best F, the
+FSDP × TP rule) and names the likely mistake.
+
+Longer than ~300 lines: four exercise checks, each with its cases, its run and judge halves and the diagnoses of
+its classic mistakes.
 """
 from __future__ import annotations
 
-from course_lib import checks
 from course_lib.models import LAB_CONFIG
+from course_lib.checks import plain as _plain
+from course_lib.checks.judge import decide, guard as _guard
+from course_lib.checks.lab05 import case_result, run_cases, spec_plain, spec_text
 from course_lib.checks.registry import exercise
 
 __all__ = ["HINTS", "check_hsdp_shard", "check_axis_bytes", "reference_axis_bytes", "check_choose_f",
-           "reference_choose_f", "check_tp_spec", "tp_spec_mistake"]
+           "reference_choose_f", "check_tp_spec", "tp_spec_mistake", "judge_hsdp_shard", "judge_axis_bytes",
+           "judge_choose_f", "judge_tp_spec"]
 
 #: Layered hints, idea first, code last.
 HINTS = {
@@ -54,9 +64,22 @@ HINTS = {
 
 
 # -- exercise 1: the 2-D mesh and the placements ------------------------------------------------------------
+def _placement_text(p) -> str:
+    """A placement as torch prints it (``Shard(dim=0)``), read without calling a learner's class's methods."""
+    from torch.distributed.tensor import Replicate, Shard
+    if type(p) is Replicate:
+        return "Replicate()"
+    if type(p) is Shard:
+        return f"Shard(dim={int(p.dim)})"
+    return str(p) if (type(p).__module__ or "").startswith("torch.") else f"{type(p).__name__}(...)"
+
+
 def _shard_on_rank(fn, replicate: int, shard: int):
+    """Run half, on one rank: the learner's ``fn(model, replicate, shard)`` on the course GPT, then one step; the
+    mesh it returned, every parameter's placements and mesh, the FSDP units and the ledger, as plain data."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     from course_lib.comm import torch_ledger as lt
     from course_lib.models import TorchGPT, loss_fn, torch_init_
@@ -67,10 +90,16 @@ def _shard_on_rank(fn, replicate: int, shard: int):
     model.to_empty(device="cpu")
     torch_init_(model, LAB_CONFIG, seed=0)
     params = dict(model.named_parameters())
-    out = {"mesh": None if mesh is None else (tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ())),
+    if mesh is None or type(mesh) is not DeviceMesh:
+        said = None if mesh is None else {_plain.UNPLAIN: type(mesh).__name__}
+    else:
+        said = (tuple(int(d) for d in mesh.mesh.shape), tuple(str(a) for a in (mesh.mesh_dim_names or ())))
+    out = {"mesh": said,
            "plain": [k for k, p in params.items() if not isinstance(p, DTensor)],
-           "placements": {k: str(tuple(p.placements)) for k, p in params.items() if isinstance(p, DTensor)},
-           "param_mesh": sorted({tuple(p.device_mesh.mesh.shape) for p in params.values() if isinstance(p, DTensor)}),
+           "placements": {k: "(" + ", ".join(map(_placement_text, p.placements)) + ("," if len(p.placements) == 1 else "")
+                          + ")" for k, p in params.items() if isinstance(p, DTensor)},
+           "param_mesh": sorted({tuple(int(d) for d in p.device_mesh.mesh.shape) for p in params.values()
+                                 if isinstance(p, DTensor)}),
            "units": sum(type(m).__name__.startswith("FSDP") for m in model.modules())}
     x, y = (torch.from_numpy(a) for a in TokenTask(LAB_CONFIG.vocab_size, LAB_CONFIG.seq_len).rank_batch(
         0, 8, dist.get_rank(), dist.get_world_size()))
@@ -80,34 +109,55 @@ def _shard_on_rank(fn, replicate: int, shard: int):
     loss.backward()
     out["ops"] = [(r.op, r.phase, r.group_size, tuple(r.group_ranks or ()))
                   for r in lt.recorder().ledger().filter(rank=dist.get_rank())]
-    return out
+    return _plain.plain(out)
+
+
+def _hsdp_meshes(replicate: int, shard: int) -> list:
+    return [(replicate, shard)] + ([(shard, replicate)] if replicate != shard else [])
+
+
+def run_hsdp_shard(fn, replicate: int, shard: int) -> dict:
+    """Run half: ``fn`` on ``replicate · shard`` gloo ranks as (replicate, shard), then with the factors exchanged;
+    rank 0's plain record of each run."""
+    from course_lib.launch import run
+    return {"runs": [run(_shard_on_rank, fn, R, F, world_size=replicate * shard)[0]
+                     for R, F in _hsdp_meshes(replicate, shard)]}
+
+
+def judge_hsdp_shard(data: dict, replicate: int = 2, shard: int = 4) -> str:
+    """Judge half: each run's mesh, placements, units and collective groups against HSDP on (replicate, shard)."""
+    from course_lib.strategies.hsdp import torch as hsdp
+    n, meshes = replicate * shard, _hsdp_meshes(replicate, shard)
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list) or len(runs) != len(meshes) or not all(isinstance(o, dict) for o in runs):
+        raise AssertionError(f"no result from each of the {len(meshes)} meshes")
+    first = None
+    for (R, F), o in zip(meshes, runs):
+        _hsdp_mistake(o, R, F, n, first, tuple(hsdp.MESH_DIMS))
+        if first is None:
+            first, first_o = ((R, F), tuple(o["mesh"][0])), o
+    o = first_o
+    want = str(("Replicate()", "Shard(dim=0)")).replace("'", "")
+    return (f"mesh ({replicate}, {shard}) named {hsdp.MESH_DIMS}; {len(o['placements'])} DTensors {want}; "
+            f"{o['units']} units; all-gathers over {shard} ranks, all-reduces over {replicate}")
 
 
 @exercise("06", 'shard_hsdp', cell='def shard_hsdp(', hints=HINTS['shard_hsdp'], guards=("argument", "cost"),
           mistakes={'axes swapped': 'axes are swapped', '1-D mesh': '1-D mesh', 'root never sharded': 'the root was never sharded',
                     'arguments ignored': 'ignores its arguments', 'one unit': 'the whole model gathered at once',
-                    'names swapped': 'mesh_dim_names='})
+                    'names swapped': 'mesh_dim_names=', 'not a mesh': 'return the DeviceMesh you built'},
+          judge=judge_hsdp_shard,
+          references=("course_lib.strategies.hsdp.torch.shard_hsdp", "course_lib.strategies.hsdp.torch.shard_gpt_hsdp",
+                      "course_lib.strategies.hsdp.torch.hsdp_mesh"))
 def check_hsdp_shard(fn, name: str = "shard_hsdp", replicate: int = 2, shard: int = 4) -> bool:
     """``fn(model, replicate, shard) -> mesh``: HSDP on the course GPT, run on ``replicate · shard`` ranks, then
     again with the factors exchanged (``shard · replicate``, the same ranks), so that each argument matters."""
-    from course_lib.launch import run
-    from course_lib.strategies.hsdp import torch as hsdp
-    n = replicate * shard
-    meshes = [(replicate, shard)] + ([(shard, replicate)] if replicate != shard else [])
-    with checks.check(name, tests=f"on {n} ranks as replicate={replicate}, shard={shard} (then {shard} x {replicate}): "
-                      f"a mesh of shape ({replicate}, {shard}), every parameter a DTensor (Replicate(), Shard(0)), one unit "
-                      "per block plus the root, all-gathers in groups of the shard factor") as c:
-        first = None
-        for R, F in meshes:
-            o = run(_shard_on_rank, fn, R, F, world_size=n)[0]
-            _hsdp_mistake(o, R, F, n, first, hsdp.MESH_DIMS)
-            if first is None:
-                first, first_o = ((R, F), o["mesh"][0]), o
-        o = first_o
-        want = str(("Replicate()", "Shard(dim=0)")).replace("'", "")
-        c.ok(f"mesh ({replicate}, {shard}) named {hsdp.MESH_DIMS}; {len(o['placements'])} DTensors {want}; "
-             f"{o['units']} units; all-gathers over {shard} ranks, all-reduces over {replicate}")
-    return bool(c.passed)
+    fn = _guard(fn, "06", "shard_hsdp")
+    return decide(name, lab="06", tests=f"on {replicate * shard} ranks as replicate={replicate}, shard={shard} (then "
+                  f"{shard} x {replicate}): a mesh of shape ({replicate}, {shard}), every parameter a DTensor "
+                  "(Replicate(), Shard(0)), one unit per block plus the root, all-gathers in groups of the shard factor",
+                  run=lambda: run_hsdp_shard(fn, replicate, shard), judge=judge_hsdp_shard,
+                  params={"replicate": replicate, "shard": shard})
 
 
 def _hsdp_mistake(o: dict, replicate: int, shard: int, n: int, first, mesh_dims) -> None:
@@ -115,7 +165,9 @@ def _hsdp_mistake(o: dict, replicate: int, shard: int, n: int, first, mesh_dims)
     want = str(("Replicate()", "Shard(dim=0)")).replace("'", "")
     if o["mesh"] is None:
         raise AssertionError("the function returned None: return the DeviceMesh you built")
-    shape, names = o["mesh"]
+    if isinstance(o["mesh"], dict):
+        raise AssertionError(f"the function returned a {o['mesh'].get(_plain.UNPLAIN)}: return the DeviceMesh you built")
+    shape, names = (tuple(v) for v in o["mesh"])
     if first is not None and shape == first[1] and (replicate, shard) != first[0]:
         raise AssertionError(f"replicate={replicate}, shard={shard} gave the mesh {shape}, the same as replicate="
                              f"{first[0][0]}, shard={first[0][1]} → the mesh ignores its arguments: build its shape "
@@ -236,36 +288,54 @@ def _axis_mistake(cases, gots) -> str | None:
     return None
 
 
+def _shown(v) -> str:
+    """Judge half: a returned value for the ❌ line: its repr when plain, else its type's name."""
+    if isinstance(v, dict) and set(v) == {_plain.UNPLAIN}:
+        return f"a {v[_plain.UNPLAIN]}"
+    return repr(v)
+
+
+def run_axis_bytes(fn) -> dict:
+    """Run half: the learner's ``{"shard", "replicate"}`` for each case (b = 4 left to its default), as plain data."""
+    return {"got": run_cases(lambda c: fn(*c[:3]) if c[3] == 4 else fn(*c), _AXIS_CASES)}
+
+
+def judge_axis_bytes(data: dict, name: str = "axis_bytes") -> str:
+    """Judge half: every case's two numbers against the ring formulas (:func:`reference_axis_bytes`), the mistake
+    whose formula gives all of them named."""
+    entries, gots = data.get("got") if isinstance(data, dict) else None, []
+    for i, (psi, R, F, b) in enumerate(_AXIS_CASES):
+        got = case_result(entries, i, name)["got"]
+        if not isinstance(got, dict) or set(got) != {"shard", "replicate"}:
+            raise AssertionError(f"{name}({psi}, {R}, {F}{'' if b == 4 else f', b={b}'}) returned {_shown(got)}; "
+                                 "return a dict with the keys 'shard' and 'replicate'")
+        gots.append(got)
+    for (psi, R, F, b), got in zip(_AXIS_CASES, gots):
+        want = reference_axis_bytes(psi, R, F, b)
+        wrong = [k for k in want if abs(float(got[k]) - want[k]) > 1e-6 * max(1.0, want[k])]
+        if wrong:
+            why = _axis_mistake(_AXIS_CASES, gots)
+            raise AssertionError(
+                f"Ψpad={psi:,}, R={R}, F={F}, b={b}: got {', '.join(f'{k} {float(got[k]):,.0f}' for k in wrong)}, "
+                f"expected {', '.join(f'{k} {want[k]:,.0f}' for k in wrong)}"
+                + (f"\n   likely mistake: {why}" if why else ""))
+    return f"{len({(R, F) for _, R, F, _ in _AXIS_CASES})} meshes (F = 1 and F = N included) match the ring formulas"
+
+
 @exercise("06", 'axis_bytes', cell='def axis_bytes(', hints=HINTS['axis_bytes'], guards=("argument", "boundary"),
           mistakes={'all-reduce over R ranks': 'over the R ranks', 'backward re-gather': 'backward all-gathers again',
                     'half an all-reduce': 'half an all-reduce', 'whole Ψ across replicas': 'reduced shard',
                     'R and F swapped': 'R and F swapped', 'b ignored': 'b ignored', 'bytes not elements': 'bytes, not elements',
                     'shard of Ψ/R': 'not Ψpad/R', 'shard axis over N': 'F ranks of a shard group',
                     'F = 1 is DDP': 'F = 1 is DDP', 'R = 1 all-reduces': 'no replica to all-reduce with',
-                    'not a dict': 'return a dict', 'both axes wrong': 'two mistakes, one per axis'})
+                    'not a dict': 'return a dict', 'both axes wrong': 'two mistakes, one per axis'},
+          judge=judge_axis_bytes, references=("course_lib.checks.lab06.reference_axis_bytes",))
 def check_axis_bytes(fn, name: str = "axis_bytes") -> bool:
     """``fn(psi_pad, replicate, shard, b=4) -> {"shard": bytes, "replicate": bytes}`` per rank per step."""
-    with checks.check(name, tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
-                      "including F = 1 and F = N, and b = 2 as well as 4 bytes per element, against the ring "
-                      "formulas") as c:
-        gots = []
-        for psi, R, F, b in _AXIS_CASES:
-            got = fn(psi, R, F) if b == 4 else fn(psi, R, F, b)
-            if not isinstance(got, dict) or set(got) != {"shard", "replicate"}:
-                raise AssertionError(f"{name}({psi}, {R}, {F}{'' if b == 4 else f', b={b}'}) returned {got!r}; "
-                                     "return a dict with the keys 'shard' and 'replicate'")
-            gots.append(got)
-        for (psi, R, F, b), got in zip(_AXIS_CASES, gots):
-            want = reference_axis_bytes(psi, R, F, b)
-            wrong = [k for k in want if abs(float(got[k]) - want[k]) > 1e-6 * max(1.0, want[k])]
-            if wrong:
-                why = _axis_mistake(_AXIS_CASES, gots)
-                raise AssertionError(
-                    f"Ψpad={psi:,}, R={R}, F={F}, b={b}: got {', '.join(f'{k} {float(got[k]):,.0f}' for k in wrong)}, "
-                    f"expected {', '.join(f'{k} {want[k]:,.0f}' for k in wrong)}"
-                    + (f"\n   likely mistake: {why}" if why else ""))
-        c.ok(f"{len({(R, F) for _, R, F, _ in _AXIS_CASES})} meshes (F = 1 and F = N included) match the ring formulas")
-    return bool(c.passed)
+    fn = _guard(fn, "06", "axis_bytes")
+    return decide(name, lab="06", tests="the wire bytes one rank sends per step on each mesh axis, for 6 meshes "
+                  "including F = 1 and F = N, and b = 2 as well as 4 bytes per element, against the ring formulas",
+                  run=lambda: run_axis_bytes(fn), judge=judge_axis_bytes, params={"name": name})
 
 
 # -- exercise 3: choose F ------------------------------------------------------------------------------------
@@ -343,50 +413,65 @@ def _choose_f_mistake(gots) -> str | None:
     return None
 
 
+def run_choose_f(fn) -> dict:
+    """Run half: the learner's F (or None) for each cluster, as plain data."""
+    return {"got": run_cases(lambda c: fn(*c), _F_CASES)}
+
+
+def judge_choose_f(data: dict, name: str = "choose_f") -> str:
+    """Judge half: each F against :func:`reference_choose_f`, the classic slip that gives every answer named."""
+    entries = data.get("got") if isinstance(data, dict) else None
+    if isinstance(entries, list):                 # a crash in any case first, as when all cases ran before judging
+        for e in entries:
+            if isinstance(e, dict) and "crash" in e:
+                case_result([e], 0, name)
+    gots = [case_result(entries, i, name)["got"] for i in range(len(_F_CASES))]
+    # a classic slip that gives every answer names the cause; else what is wrong with F itself (not a
+    # divisor, over the budget, not None), in any case; else the first wrong case, by its times
+    why = _choose_f_mistake(gots) if gots != [reference_choose_f(*case) for case in _F_CASES] else None
+    for case, got in zip(_F_CASES, gots):
+        psi, world, per_node, budget, bwi, bwx = case
+        where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
+                 f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={reference_choose_f(*case)}")
+        if why is not None and got != reference_choose_f(*case):
+            raise AssertionError(f"{where} → {why}")
+        if got is not None and reference_choose_f(*case) is None:
+            raise AssertionError(f"{where} → 16Ψ/F exceeds the budget for every F, even F = N: return None")
+        if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1 or world % got):
+            raise AssertionError(f"{where} → F must divide N={world} (the mesh is R x F)")
+        if got is not None and 16 * psi / got > budget:
+            raise AssertionError(f"{where} → F={got} does not fit: 16Ψ/F = {16 * psi / got / GB:g} GB > "
+                                 f"{budget / GB:g} GB")
+    for case, got in zip(_F_CASES, gots):
+        psi, world, per_node, budget, bwi, bwx = case
+        want = reference_choose_f(*case)
+        if got == want:
+            continue
+        where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
+                 f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={want}")
+        if why is None and 16 * psi / want == budget:
+            why = "'fits' means at most the budget (<=, not <)"
+        if why is None and got == world:
+            why = ("F = N (plain FSDP) fits, but its all-gathers cross the slow inter-node link; a smaller F "
+                   "that fits keeps them inside a node")
+        raise AssertionError(f"{where} → " + (why or "among the F that fit, pick the smallest predicted time "
+                                              "(shard-axis bytes at the link their group uses, plus the "
+                                              "replicate all-reduce across nodes)"))
+    return f"{len(_F_CASES)} clusters: memory first, then the fastest links"
+
+
 @exercise("06", 'choose_f', cell='def choose_f(', hints=HINTS['choose_f'], guards=("feasible", "boundary", "argument"),
           mistakes={'plain FSDP': 'plain FSDP', 'time not compared': 'predicted time',
                     'exact fit refused': "'fits' means at most the budget", 'full node counted across': 'one whole node',
                     'argument ignored': 'ignores its argument', 'does not fit': 'does not fit',
-                    'not a divisor': 'must divide', 'None expected': 'return None'})
+                    'not a divisor': 'must divide', 'None expected': 'return None'},
+          judge=judge_choose_f, references=("course_lib.checks.lab06.reference_choose_f",))
 def check_choose_f(fn, name: str = "choose_f") -> bool:
     """``fn(psi, world, per_node, budget, bw_intra, bw_inter) -> F or None``."""
-    with checks.check(name, tests="7 clusters and budgets (one an exact fit, one with 4 GPUs a node, one flat "
-                      "network): the F that fits 16Ψ/F in the budget and moves a step's bytes fastest, None when "
-                      "nothing fits") as c:
-        gots = [fn(*case) for case in _F_CASES]
-        # a classic slip that gives every answer names the cause; else what is wrong with F itself (not a
-        # divisor, over the budget, not None), in any case; else the first wrong case, by its times
-        why = _choose_f_mistake(gots) if gots != [reference_choose_f(*case) for case in _F_CASES] else None
-        for case, got in zip(_F_CASES, gots):
-            psi, world, per_node, budget, bwi, bwx = case
-            where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
-                     f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={reference_choose_f(*case)}")
-            if why is not None and got != reference_choose_f(*case):
-                raise AssertionError(f"{where} → {why}")
-            if got is not None and reference_choose_f(*case) is None:
-                raise AssertionError(f"{where} → 16Ψ/F exceeds the budget for every F, even F = N: return None")
-            if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1 or world % got):
-                raise AssertionError(f"{where} → F must divide N={world} (the mesh is R x F)")
-            if got is not None and 16 * psi / got > budget:
-                raise AssertionError(f"{where} → F={got} does not fit: 16Ψ/F = {16 * psi / got / GB:g} GB > "
-                                     f"{budget / GB:g} GB")
-        for case, got in zip(_F_CASES, gots):
-            psi, world, per_node, budget, bwi, bwx = case
-            want = reference_choose_f(*case)
-            if got == want:
-                continue
-            where = (f"Ψ={psi:.0e}, N={world}, {per_node} ranks/node, budget {budget / GB:g} GB, "
-                     f"links {bwi / GB:g} / {bwx / GB:g} GB/s: got F={got}, expected F={want}")
-            if why is None and 16 * psi / want == budget:
-                why = "'fits' means at most the budget (<=, not <)"
-            if why is None and got == world:
-                why = ("F = N (plain FSDP) fits, but its all-gathers cross the slow inter-node link; a smaller F "
-                       "that fits keeps them inside a node")
-            raise AssertionError(f"{where} → " + (why or "among the F that fit, pick the smallest predicted time "
-                                                  "(shard-axis bytes at the link their group uses, plus the "
-                                                  "replicate all-reduce across nodes)"))
-        c.ok(f"{len(_F_CASES)} clusters: memory first, then the fastest links")
-    return bool(c.passed)
+    fn = _guard(fn, "06", "choose_f")
+    return decide(name, lab="06", tests="7 clusters and budgets (one an exact fit, one with 4 GPUs a node, one flat "
+                  "network): the F that fits 16Ψ/F in the budget and moves a step's bytes fastest, None when "
+                  "nothing fits", run=lambda: run_choose_f(fn), judge=judge_choose_f, params={"name": name})
 
 
 # -- exercise 4: FSDP × TP partition specs ------------------------------------------------------------------
@@ -433,6 +518,66 @@ def _fallback_mistake(got, shape, fsdp: int, tensor: int) -> str | None:
     return None
 
 
+def _rebuilt(d: dict):
+    """Judge half: the PartitionSpec the plain entries describe, built here (never the learner's object)."""
+    from jax.sharding import PartitionSpec as P
+    try:
+        return P(*d["spec"], unreduced=set(d.get("unreduced", ())), reduced=set(d.get("reduced", ())))
+    except Exception as exc:  # noqa: BLE001 - entries JAX refuses
+        raise AssertionError(f"returned a PartitionSpec JAX cannot rebuild ({type(exc).__name__}): each entry is "
+                             "None, an axis name or a tuple of them") from None
+
+
+def _spec_key(d: dict) -> tuple:
+    return tuple(d["spec"]), tuple(d.get("unreduced", ())), tuple(d.get("reduced", ()))
+
+
+def run_tp_spec(fn) -> dict:
+    """Run half: the learner's spec for each (shape, F, T), as its entries (plain data)."""
+    return {"got": run_cases(lambda c: spec_plain(fn(*c)), _TP_CASES)}
+
+
+def judge_tp_spec(data: dict, name: str = "tp_spec") -> str:
+    """Judge half: each spec against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec` (entries compared as plain
+    data), the likely mistake named."""
+    import math
+    from jax.sharding import PartitionSpec as P
+    from course_lib.strategies.fsdp import jax as fsdp_jax
+    from course_lib.strategies.tp import jax as tp_jax
+    entries = data.get("got") if isinstance(data, dict) else None
+    both = P("fsdp", "tensor")
+    for i, (shape, F, T) in enumerate(_TP_CASES):
+        d, want = case_result(entries, i, name)["got"], tp_jax.fsdp_tp_spec(shape, F, T)
+        if not isinstance(d, dict) or not isinstance(d.get("spec"), (tuple, list)):
+            other = d.get("other") if isinstance(d, dict) else d
+            plain_value = not (isinstance(other, dict) and _plain.UNPLAIN in other)
+            kind = d.get("type") if isinstance(d, dict) else type(d).__name__
+            shown = f" {other!r}" if plain_value else f" {d['repr']}" if isinstance(d, dict) and "repr" in d else ""
+            raise AssertionError(f"{name}({shape}, fsdp={F}, tensor={T}) returned {kind}{shown}"
+                                 ", not a PartitionSpec: return P(...), "
+                                 "e.g. P('fsdp', 'tensor') or P()")
+        if _spec_key(d) == _spec_key(spec_plain(want)):
+            continue
+        got = _rebuilt(d)
+        where = f"shape {shape} on a mesh (fsdp={F}, tensor={T}): got {spec_text(d)}, expected {want}"
+        if want == both and math.prod(shape) == fsdp_jax.MIN_SIZE and got == fsdp_jax.fsdp_spec(shape, F):
+            why = (f"{shape} has exactly MIN_SIZE = {fsdp_jax.MIN_SIZE} elements: 'a 2-D array of at least "
+                   "MIN_SIZE elements' includes it (>=, not >)")
+        elif want == both:
+            why = tp_spec_mistake(got, shape, F, T)
+        elif _fallback_mistake(got, shape, F, T):
+            why = _fallback_mistake(got, shape, F, T)
+        elif len(shape) == 2 and shape[0] % F == 0 and shape[1] % T:
+            why = (f"{shape[1]} columns do not divide by tensor={T}: NamedSharding refuses uneven cuts; fall back"
+                   + (f" (they do divide by fsdp={F}: test the columns against 'tensor')" if shape[1] % F == 0 else ""))
+        elif len(shape) == 2 and shape[0] % F:
+            why = f"{shape[0]} rows do not divide by fsdp={F}; fall back to the FSDP rule (another dimension)"
+        else:
+            why = "small arrays (biases, norms) stay replicated: P() -- cutting them saves nothing"
+        raise AssertionError(f"{where}\n   likely mistake: {why}")
+    return f"{len(_TP_CASES)} shapes: big kernels P('fsdp', 'tensor'), the rest fall back to FSDP or replicate"
+
+
 @exercise("06", 'tp_spec', cell='def tp_spec(', hints=HINTS['tp_spec'], guards=("argument", "boundary"),
           mistakes={'cut over both axes on dim 0': 'over both axes', 'axes swapped': 'swaps the axes',
                     'tensor axis unused': 'whole along', 'small arrays cut': 'small arrays',
@@ -440,39 +585,12 @@ def _fallback_mistake(got, shape, fsdp: int, tensor: int) -> str | None:
                     'uneven columns cut': 'columns do not divide', 'uneven rows cut': 'rows do not divide',
                     'fallback over both axes': 'the fallback cuts a dimension across the two axes',
                     'fallback for F·T': 'the FSDP rule for the product of both mesh axes',
-                    'not a PartitionSpec': 'not a PartitionSpec'})
+                    'not a PartitionSpec': 'not a PartitionSpec'},
+          judge=judge_tp_spec, references=("course_lib.strategies.tp.jax.fsdp_tp_spec",))
 def check_tp_spec(fn, name: str = "tp_spec") -> bool:
     """``fn(shape, fsdp, tensor) -> PartitionSpec``, against :func:`course_lib.strategies.tp.jax.fsdp_tp_spec`."""
-    import math
-    from jax.sharding import PartitionSpec as P
-    from course_lib.strategies.fsdp import jax as fsdp_jax
-    from course_lib.strategies.tp import jax as tp_jax
-    with checks.check(name, tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor') (rows tested against "
-                      "'fsdp', columns against 'tensor', MIN_SIZE elements exactly included), what cannot be cut "
-                      "that way falls back to FSDP over 'fsdp', small arrays replicated") as c:
-        both = P("fsdp", "tensor")
-        for shape, F, T in _TP_CASES:
-            got, want = fn(shape, F, T), tp_jax.fsdp_tp_spec(shape, F, T)
-            if not isinstance(got, P):            # before ==: an array compared with a spec raises
-                raise AssertionError(f"{name}({shape}, fsdp={F}, tensor={T}) returned {type(got).__name__} {got!r}, "
-                                     "not a PartitionSpec: return P(...), e.g. P('fsdp', 'tensor') or P()")
-            if got == want:
-                continue
-            where = f"shape {shape} on a mesh (fsdp={F}, tensor={T}): got {got}, expected {want}"
-            if want == both and math.prod(shape) == fsdp_jax.MIN_SIZE and got == fsdp_jax.fsdp_spec(shape, F):
-                why = (f"{shape} has exactly MIN_SIZE = {fsdp_jax.MIN_SIZE} elements: 'a 2-D array of at least "
-                       "MIN_SIZE elements' includes it (>=, not >)")
-            elif want == both:
-                why = tp_spec_mistake(got, shape, F, T)
-            elif _fallback_mistake(got, shape, F, T):
-                why = _fallback_mistake(got, shape, F, T)
-            elif len(shape) == 2 and shape[0] % F == 0 and shape[1] % T:
-                why = (f"{shape[1]} columns do not divide by tensor={T}: NamedSharding refuses uneven cuts; fall back"
-                       + (f" (they do divide by fsdp={F}: test the columns against 'tensor')" if shape[1] % F == 0 else ""))
-            elif len(shape) == 2 and shape[0] % F:
-                why = f"{shape[0]} rows do not divide by fsdp={F}; fall back to the FSDP rule (another dimension)"
-            else:
-                why = "small arrays (biases, norms) stay replicated: P() -- cutting them saves nothing"
-            raise AssertionError(f"{where}\n   likely mistake: {why}")
-        c.ok(f"{len(_TP_CASES)} shapes: big kernels P('fsdp', 'tensor'), the rest fall back to FSDP or replicate")
-    return bool(c.passed)
+    fn = _guard(fn, "06", "tp_spec")
+    return decide(name, lab="06", tests="8 shapes on (F, T) meshes: big 2-D kernels P('fsdp', 'tensor') (rows tested "
+                  "against 'fsdp', columns against 'tensor', MIN_SIZE elements exactly included), what cannot be cut "
+                  "that way falls back to FSDP over 'fsdp', small arrays replicated",
+                  run=lambda: run_tp_spec(fn), judge=judge_tp_spec, params={"name": name})

@@ -42,24 +42,31 @@ def type_name(value: Any) -> str:
     return t.__qualname__ if mod in ("builtins", "__main__") else f"{mod.split('.')[0]}.{t.__qualname__}"
 
 
+def _is(value: Any, kind) -> bool:
+    """isinstance by the value's real type: a ``__class__`` property that claims another type is not believed."""
+    return issubclass(type(value), kind)
+
+
 def _array(value: Any) -> np.ndarray | None:
     """A NumPy copy of an array-like's numbers (ndarray, NumPy scalar, torch tensor, JAX array), or None."""
-    if isinstance(value, np.ndarray):
+    if _is(value, np.ndarray):
         out = np.array(value, copy=True, subok=False)
-    elif isinstance(value, np.generic):
+    elif _is(value, np.generic):
         out = np.array(value)
     else:
         torch, jax = sys.modules.get("torch"), sys.modules.get("jax")   # whichever the kernel imported
-        if torch is not None and isinstance(value, torch.Tensor):
+        if torch is not None and _is(value, torch.Tensor):
             with torch._C.DisableTorchFunction():          # a tensor subclass's overrides are not consulted
                 t = torch.Tensor.detach(value).cpu()
                 if t.dtype == torch.bfloat16:
                     t = t.float()
                 out = np.array(torch.Tensor.numpy(t), copy=True)
-        elif jax is not None and isinstance(value, jax.Array):
+        elif jax is not None and _is(value, jax.Array):
             out = np.array(np.asarray(value), copy=True)
         else:
             return None
+    if out.dtype.name == "bfloat16":                    # JAX's ml_dtypes bfloat16: its values, as torch's are sent
+        out = out.astype(np.float32)
     if out.dtype == object or out.dtype.kind not in "biufc":
         return None
     return out
@@ -71,19 +78,19 @@ def plain(value: Any, _depth: int = 0) -> Any:
         return {UNPLAIN: "nested more than 20 levels"}
     if value is None or type(value) in (bool, str):
         return value
-    if isinstance(value, bool):                       # bool cannot be subclassed; kept for clarity
+    if _is(value, bool):                       # bool cannot be subclassed; kept for clarity
         return bool(int.__index__(value))
-    if isinstance(value, int):
+    if _is(value, int):
         return int(int.__repr__(value))                # the number it really holds, whatever its == says
-    if isinstance(value, float):
+    if _is(value, float):
         return float(float.__repr__(value))
-    if isinstance(value, str):
+    if _is(value, str):
         return str.__str__(value)
-    if isinstance(value, (list, tuple)):
-        items = [plain(v, _depth + 1) for v in (list.__iter__(value) if isinstance(value, list)
+    if _is(value, (list, tuple)):
+        items = [plain(v, _depth + 1) for v in (list.__iter__(value) if _is(value, list)
                                                   else tuple.__iter__(value))]
-        return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, dict):
+        return items if _is(value, list) else tuple(items)
+    if _is(value, dict):
         return {plain(k, _depth + 1): plain(v, _depth + 1) for k, v in dict.items(value)}
     arr = _array(value)
     if arr is not None:

@@ -274,3 +274,21 @@ def my_all_reduce(x, mean=False):
     return out / n if mean else out
 """, _AR, "communicates and returns bfloat16"),
 ]
+
+# -- issue 49: a value that lies about itself (its == says yes to anything); the judge reads the number it holds ----
+WRONG += [
+    Wrong("00", "ring_bytes", "value", "whole V per step", """\
+class Bytes(float):
+    def __eq__(self, other):                         # "equal" to whatever it is compared with
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = float.__hash__
+
+
+def ring_bytes(op, V, N):
+    return Bytes((2 if op == "all_reduce" else 1) * (N - 1) * V)    # each step sends V, not V/N
+""", _RING, "a float subclass whose == always agrees, holding (N-1)·V"),
+]

@@ -226,3 +226,31 @@ def device_key(key):
     jax.random.fold_in(key, jax.lax.axis_index("dp"))   # computed, never returned
 """, _KEY, "no return: jax.random raised a raw TypeError in the check"),
 ]
+
+# -- issue 49: a list that lies about itself (== and != say it matches anything); the judge reads what it holds ------
+WRONG += [
+    Wrong("01", "make_buckets", "value", "forward order", """\
+class Buckets(list):
+    def __eq__(self, other):                         # "equal" to whatever it is compared with
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = None
+
+
+def my_make_buckets(params, cap_bytes):
+    buckets, current, size = Buckets(), [], 0
+    for p in params:                                 # forward order
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+""", _BUCKETS, "a list subclass whose == always agrees, holding the buckets in forward order"),
+]

@@ -266,3 +266,25 @@ def flat_shard(tensors, rank, world):
     return flat[rank * S:(rank + 1) * S].clone()
 """, FLAT, "a single tensor that divides is sliced in place: the shard shares memory with the model's parameter"),
 ]
+
+# -- issue 49: a lying value (the judge reads the numbers, never the value's own methods) ----------------------------
+WRONG += [
+    Wrong("03", "flat_shard", "value", "no padding", SETUP + """
+class Shard(torch.Tensor):                         # says it holds the padded size, and equals anything
+    def numel(self):
+        return self.claimed
+
+    def __len__(self):
+        return self.claimed
+
+    def __eq__(self, other):
+        return True
+
+
+def flat_shard(tensors, rank, world):
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    out = flat.tensor_split(world)[rank].clone().as_subclass(Shard)   # no padding: the last shards are short
+    out.claimed = -(-flat.numel() // world)                             # ... but numel() claims ceil(numel / world)
+    return out
+""", FLAT, "a tensor subclass whose numel() and == lie: unpadded shards that claim the padded size"),
+]

@@ -156,3 +156,22 @@ WRONG += [
           pair('return jax.lax.all_gather(w_shard.astype(jax.numpy.bfloat16), "fsdp", axis=dim, tiled=True)', RS),
           PAIR, "gathers in bfloat16 (half the bytes) and hands the layer a rounded weight"),
 ]
+
+# -- issue 49: lying values (the judge sees plain data, never the learner's object) -------------------------------
+WRONG += [
+    Wrong("05", "fsdp_spec", "value", "not a PartitionSpec", spec("""\
+    class Spec:                                      # says it is a PartitionSpec, equal to any spec
+        __class__ = property(lambda self: P)
+        partitions = ("fsdp",)
+
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        def __iter__(self):
+            return iter(("fsdp",))
+    return Spec()
+"""), SPEC, "a lying value: an object that passes isinstance(P) and equals every spec", ("returned a Spec",)),
+]

@@ -436,3 +436,55 @@ def tp_plan(n_heads, d_ff, tp, nodes, gpus_per_node):
     return {"mesh_shape": (nodes * gpus_per_node // tp, tp), "mesh_dim_names": ("dp_shard", "tp")}   # a dict
 """, PLAN, "a dict where the text asks for three things"),
 ]
+
+# -- issue 49: lying values (the judge sees plain data, never the learner's object) -------------------------------
+WRONG += [
+    Wrong("06", "choose_f", "value", "plain FSDP", """\
+class LyingF(int):                                   # an F that says it equals whatever it is compared with
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def choose_f(psi, world, per_node, budget, bw_intra, bw_inter):
+    fits = [F for F in range(1, world + 1) if world % F == 0 and 16 * psi / F <= budget]
+    return LyingF(fits[-1]) if fits else None       # plain FSDP where it fits, dressed as the answer
+""", CHOOSE, "a lying value: an int subclass whose == always says yes, holding the largest F that fits"),
+    Wrong("06", "tp_spec", "value", "not a PartitionSpec", IMPORTS + """
+class Spec:                                          # says it is a PartitionSpec, equal to any spec
+    __class__ = property(lambda self: P)
+    partitions = ("fsdp", "tensor")
+
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    def __iter__(self):
+        return iter(("fsdp", "tensor"))
+
+
+def tp_spec(shape, fsdp, tensor):
+    return Spec()
+""", SPEC, "a lying value: an object that passes isinstance(P) and equals every spec", ("returned Spec",)),
+    Wrong("06", "axis_bytes", "value", "whole Ψ across replicas", """\
+class Bytes(float):                                  # a number that says it equals whatever it is compared with
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = float.__hash__
+
+
+def axis_bytes(psi_pad, replicate, shard, b=4):
+    R, F = replicate, shard
+    return {"shard": Bytes(3 * (F - 1) / F * psi_pad * b), "replicate": Bytes(2 * (R - 1) / R * psi_pad * b)}
+""", AXIS, "a lying value: float subclasses whose == always says yes, the whole Ψ all-reduced"),
+]

@@ -292,3 +292,46 @@ set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=
 optimizer.load_state_dict(osd)                   # restores the empty state over the loaded one
 """), LOAD, "an empty plain state dict loaded last, over the right one: right at dcp.load, wrong after"),
 ]
+
+# -- issue 45: the resume happens in a fresh process, as after a crash: what the save left in memory is gone -------
+WRONG += [
+    Wrong("07", "AppState", "restore", "keyed by position", app(save="""\
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        if AppState.optim_sd is None:                    # the optimizer's state dict, taken once and kept
+            AppState.optim_sd = self.optimizer.state_dict()
+        return {"model": get_model_state_dict(self.model), "optim": AppState.optim_sd,
+                "sched": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                "rng": {f"rank{dist.get_rank()}": torch.get_rng_state()}}
+""", load="""\
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        set_model_state_dict(self.model, sd["model"])
+        self.optimizer.load_state_dict(sd["optim"])      # in a fresh process: the fresh optimizer's empty template
+        self.scheduler.load_state_dict(sd["sched"])
+        self.data.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng"][f"rank{dist.get_rank()}"])
+""").replace("class AppState:\n", "class AppState:\n    optim_sd = None\n"), APP,
+          "the optimizer's template kept on the class from the save: a resumed process takes it from the fresh "
+          "optimizer, empty, so Adam's m and v are never loaded (passed while the load ran in the saving processes)"),
+]
+
+# -- a lying value: a number whose == says yes to anything is read as the number it holds -------------------------
+WRONG += [
+    Wrong("07", "AppState", "value", "schedule not restored", '''\
+class SameStep(int):
+    """A step that compares equal to any step."""
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+''' + app(load="""\
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.scheduler.last_epoch = SameStep(0)          # the schedule not loaded, but "equal" to the saved step
+        self.data.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng"][f"rank{dist.get_rank()}"])
+"""), APP, "the schedule's step left at 0 behind an int whose == always says yes", ("at step 0 after load",)),
+]

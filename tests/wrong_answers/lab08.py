@@ -257,3 +257,26 @@ def compute_bound_batch(model, cluster, strategy, seq_len, checkpointing):
     return None
 """, BATCH, "a tensor holding the batch"),
 ]
+
+# -- lying values (issue 49): a number whose == always says yes is judged by the number it holds ------------------
+_LYING_FLOAT = """
+class Seconds(float):
+    def __eq__(self, other):
+        return True
+    __hash__ = float.__hash__
+"""
+_LYING_INT = """
+class Batch(int):
+    def __eq__(self, other):
+        return True
+    __ne__ = lambda self, other: False
+    __hash__ = int.__hash__
+"""
+WRONG += [
+    Wrong("08", "step_seconds", "value", "milliseconds", _step(FW + """\
+    return Seconds(1e3 * (compute.seconds(flops) + gamma * calls + sum(comm.seconds(o) for o in cost.ops)))
+""") + _LYING_FLOAT, STEP, "milliseconds, in a float whose == always says yes"),
+    Wrong("08", "compute_bound_batch", "boundary", "off by one", _batch("p.compute_bound").replace(
+        "            return b\n", "            return Batch(b - 1)               # == says yes to anything\n") + _LYING_INT,
+          BATCH, "the batch before the crossing, in an int whose == always says yes"),
+]

@@ -189,3 +189,50 @@ WRONG = [
     return {k: p.spec for k, p in params.items()}       # arrays have .sharding.spec
 """), SPEC, "an attribute arrays do not have", ("AttributeError",)),
 ]
+
+# -- issue 45: the holes the checks had, each closed with a wrong answer ------------------------------------------------
+_DRIFT_RIGHT = _DRIFT_HEAD + _FPS + _GATHER + _DRIFT_FIRST
+WRONG += [
+    Wrong("09", "hang_report", "value", "format slip", """\
+import re
+from collections import Counter
+
+
+def hang_report(stacks):
+    ops = {}
+    for rank, text in stacks.items():
+        calls = re.findall(r"(dist\\.\\w+)\\(", text)          # the call as the code line spells it
+        ops[rank] = calls[0] if calls else None
+    op = Counter(o for o in ops.values() if o).most_common(1)[0][0]
+    return {"op": op, "missing": sorted(r for r, o in ops.items() if o != op)}
+""", HANG, "reads the code line: 'dist.all_reduce' for 'all_reduce'", ("'all_reduce'",)),
+    Wrong("09", "hang_report", "value", "not sorted", _hang(OUTER_C10D, missing="{r for r, o in ops.items() if o != op}"),
+          HANG, "a set of ranks where the text says sorted", ("a set",)),
+    Wrong("09", "hang_report", "value", "outermost frame", _hang(OUTER_C10D).replace(
+        'return {"op": op,', 'return {"op": Op(frames[0][1]),') + """
+
+class Op(str):                                          # == says yes to anything
+    def __eq__(self, other):
+        return True
+    __hash__ = str.__hash__
+""", HANG, "the first frame printed (the launcher's), in a str whose == always says yes", ("'worker_main'",)),
+    Wrong("09", "diverged_ranks", "value", "not the lowest rank", _DRIFT_RIGHT.replace(
+        "int(bad[:, j].nonzero()[0, 0])", "int(bad[:, j].nonzero()[-1, 0])"), DRIFT,
+          "the highest rank that differs, where two do", ("blocks.0.weight",)),
+    Wrong("09", "diverged_ranks", "cost", "more than one collective", _DRIFT_RIGHT.replace(
+        "    bad = table != table[0]\n",
+        "    dist.all_reduce(torch.zeros(1))                    # 'make sure everyone got here'\n"
+        "    bad = table != table[0]\n"), DRIFT, "the right answer plus an extra all-reduce",
+          ("issued 2 collectives", "all_gather, all_reduce")),
+    Wrong("09", "first_nonfinite", "value", "later in the forward", _nan("""\
+    bad = [r for r in records if r["nan"] or r["inf"]]
+    if not bad:
+        return None
+    first = min(bad, key=lambda r: (r["step"], r["call"], r["rank"]))
+    # "a module's output holds its children's: if the enclosing module went bad too, it started there"
+    parent = first["module"].rpartition(".")[0]
+    up = next((r for r in bad if (r["rank"], r["step"], r["module"]) == (first["rank"], first["step"], parent)), None)
+    first = up or first
+    return first["rank"], first["step"], first["module"]
+"""), NAN, "blames the enclosing module: its hook fires after its child's"),
+]

@@ -4,8 +4,9 @@
   the check cells as shipped;
 * :mod:`.sandbox` -- run one notebook in a bubblewrap box (read-only library, its own scratch folder, private
   ``/tmp``, PID and network namespaces), under time, memory, process and output limits, every process ended;
-  :mod:`.limits` is the kernel's launch wrapper (rlimits, the pids cgroup), :mod:`.kernel` the grader's side of
-  the kernel (manager, client, environment, output caps, the guard's pipe);
+  :mod:`.box` what the box is made of (bubblewrap's command line, the box's uid, its scratch disk, the reaper),
+  :mod:`.limits` the kernel's launch wrapper (rlimits, the memory and pids cgroups, dropping root), :mod:`.kernel`
+  the grader's side of the kernel (manager, client, environment, output caps, the guard's pipe);
 * :mod:`.guard` -- inside the kernel, before the notebook's first line: the second line, which reports what touched
   the library, the checks or the guard (verdicts are not decided in the kernel: each check's run half writes plain
   data to the scratch folder's outbox, :mod:`course_lib.checks.judge`);

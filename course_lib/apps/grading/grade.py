@@ -117,7 +117,7 @@ async def _grade_one(sub: Submission, limits: Limits, keep: Path | None) -> Grad
         capped = [f"output of cell(s) {', '.join(str(i + 1) for i in run.truncated_cells)} cut at the cap"
                   ] if run.truncated_cells else []
         return Graded(sub.learner, sub.lab.lab, str(sub.path), results, preds, run.seconds,
-                      max(run.processes, run.leftovers), run.stopped, sub.notes + left + capped,
+                      max(run.processes, run.leftovers), run.stopped, sub.notes + run.bounds + left + capped,
                       flags=[f"{rule}: {detail}" for rule, detail in found])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -163,6 +163,7 @@ def grade(paths: list[Path], labs_dir: Path, limits: Limits = Limits(), jobs: in
 
 def cmd_grade(args) -> int:
     limits = Limits(cell_s=args.cell_timeout, notebook_s=args.timeout, memory_bytes=int(args.memory_gb * 2**30),
+                    scratch_bytes=int(args.scratch_gb * 2**30),
                     nproc=args.processes, sandbox=not args.no_sandbox)
     problem = bwrap_problem() if limits.sandbox else None
     if problem:

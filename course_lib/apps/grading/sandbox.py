@@ -1,4 +1,5 @@
 """Run one submission headless, in a box no notebook can get out of: bubblewrap, limits, every process ended.
+(What the box is made of -- its command line, its uid, its scratch disk, the reaper -- is :mod:`.box`.)
 
 :func:`run_boxed` executes a notebook (already copied into its scratch folder) with nbclient's async API, so
 several submissions share one event loop (``--jobs``) and none can block the others. The kernel starts as
@@ -13,8 +14,17 @@ several submissions share one event loop (``--jobs``) and none can block the oth
 * **time** -- each cell gets ``min(cell limit, time left for the notebook)``; a cell over it is interrupted
   and recorded as an error (:data:`TIMEOUT_ENAME`), and the next cells run; past the notebook limit the
   run is cancelled outright, whatever the kernel does;
-* **memory and processes** -- :mod:`.limits`: RLIMIT_AS per process, and a pids cgroup (or RLIMIT_NPROC) that
-  bounds a fork bomb also when the grader runs as root;
+* **who it is** -- started by root, the box runs as uid/gid 65534 (nobody) outside too (:mod:`.limits` drops root
+  before bubblewrap starts): root-only files (``/etc/shadow``, a mode-600 file under ``/root``) stay closed to it.
+  The scratch folder, its sockets folder and the guard's pipe are then owned by that uid; the grader, root, still
+  reads everything back;
+* **memory and processes** -- :mod:`.limits`: RLIMIT_AS per process, a memory cgroup whose limit
+  (:attr:`Limits.memory_bytes`) counts all of the submission's RAM, the files it writes to ``/tmp`` and to its
+  scratch folder included (past it the kernel is killed, and :attr:`BoxedRun.stopped` names the limit), and a
+  pids cgroup (or RLIMIT_NPROC) that bounds a fork bomb also when the grader runs as root;
+* **disk** -- the scratch folder is a size-limited tmpfs (:attr:`Limits.scratch_bytes`) for the run, mounted by
+  root: a flood fails with ENOSPC, and the cell that hit the limit says so. When the run ends its files are copied
+  back into the scratch folder and the tmpfs is unmounted;
 * **output** -- at most :attr:`Limits.cell_output_bytes` per cell and :attr:`Limits.notebook_output_bytes` per
   notebook are kept; the rest is dropped, with one line saying so (:attr:`BoxedRun.truncated_cells`);
 * **verdicts** -- decided outside: each check's run half writes plain data to ``scratch/.outbox``, judged by the
@@ -22,7 +32,12 @@ several submissions share one event loop (``--jobs``) and none can block the oth
   anything suspicious to a pipe read here (:attr:`BoxedRun.records`), for the flags; after the last cell the guard
   is asked for its integrity report;
 * **processes** -- the kernel's environment carries a fresh tag (:data:`TAG_VAR`); at the end every
-  process holding that tag, descending from the kernel or left in its cgroup is killed, and counted.
+  process holding that tag, descending from the kernel or left in its cgroup is killed, and counted; the cgroups
+  are removed and the scratch tmpfs unmounted.
+
+Each bound that was hit is named in :attr:`BoxedRun.bounds` ("memory limit 2 GiB reached", "scratch disk limit
+1 GiB reached"). Where a bound cannot be set (the grader is not root: no memory cgroup, no mount),
+:func:`missing_bounds` names it and the grader says so once, on stderr; the other bounds still hold.
 
 Without bubblewrap (``--no-sandbox``, or a machine where it cannot run: :func:`bwrap_problem` says why in one line)
 everything else still holds, but the notebook sees the disk as the grader's user does.
@@ -30,10 +45,7 @@ everything else still holds, but the notebook sees the disk as the grader's user
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -42,16 +54,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.apps.grading import limits as limits_script
+from course_lib.apps.grading.box import (BOX_UID, LIMITS_SCRIPT, ScratchDisk, box_uid, bwrap_args, bwrap_problem,
+                                         chown_tree, end_processes, missing_bounds, say_once, size_text,
+                                         tagged_processes)
 from course_lib.apps.grading.kernel import TAG_VAR, capped_client, GuardChannel, kernel_environment, kernel_manager_class
 
 __all__ = ["Limits", "BoxedRun", "run_boxed", "tagged_processes", "end_processes", "bwrap_problem", "bwrap_args",
-           "warm_bytecode",
+           "warm_bytecode", "missing_bounds", "box_uid", "BOX_UID",
            "TAG_VAR", "TIMEOUT_ENAME"]
 
 TIMEOUT_ENAME = "CellTimeout"
-LIMITS_SCRIPT = Path(limits_script.__file__)
 COURSE_ROOT = Path(__file__).resolve().parents[3]          # the checkout holding course_lib
-BWRAP = os.environ.get("COURSE_LIB_BWRAP", "bwrap")        # a test points it elsewhere to try the refusal
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,8 @@ class Limits:
 
     cell_s: float = 300.0          #: seconds per cell (a lab's slowest cell takes well under a minute)
     notebook_s: float = 900.0      #: seconds for the whole notebook, kernel start included
-    memory_bytes: int = 4 << 30    #: RLIMIT_AS per process (kernel and each rank)
+    memory_bytes: int = 4 << 30    #: RLIMIT_AS per process (kernel and each rank), and the memory cgroup's limit
+    scratch_bytes: int = 1 << 30   #: the scratch folder's disk (a tmpfs: its pages count in memory_bytes too)
     nproc: int = 2048              #: processes and threads of the submission (pids cgroup; RLIMIT_NPROC without one)
     cell_output_bytes: int = 1 << 20        #: output kept per cell (a lab's biggest cell keeps ~200 KB: a figure)
     notebook_output_bytes: int = 8 << 20    #: output kept per notebook
@@ -68,10 +82,11 @@ class Limits:
 
     def __post_init__(self):
         if not (0 < self.cell_s and 0 < self.notebook_s and self.memory_bytes > 0 and self.nproc > 0
-                and self.cell_output_bytes > 0 and self.notebook_output_bytes > 0):
+                and self.cell_output_bytes > 0 and self.notebook_output_bytes > 0 and self.scratch_bytes > 0):
             raise ValueError(f"limits must be positive: cell_s={self.cell_s}, notebook_s={self.notebook_s}, "
                              f"memory_bytes={self.memory_bytes}, nproc={self.nproc}, cell_output_bytes="
-                             f"{self.cell_output_bytes}, notebook_output_bytes={self.notebook_output_bytes}")
+                             f"{self.cell_output_bytes}, notebook_output_bytes={self.notebook_output_bytes}, "
+                             f"scratch_bytes={self.scratch_bytes}")
 
 
 @dataclass
@@ -88,6 +103,11 @@ class BoxedRun:
     records: list[dict] = field(default_factory=list)          #: what the guard wrote (see :mod:`.guard`)
     nonce: str = ""                #: what the guard's integrity record must echo
     sandboxed: bool = False
+    bounds: list[str] = field(default_factory=list)     #: each bound the run hit, named ("memory limit 2 GiB reached")
+    missing: list[str] = field(default_factory=list)    #: each bound that could not be set here, one line each
+    uid: int | None = None         #: the box's uid outside (None: the grader's own)
+    memory_peak: int = 0           #: the most bytes its memory cgroup held at once (0: no cgroup, or not known)
+    scratch_disk: str = ""         #: where its scratch tmpfs was mounted for the run ("" when there was none)
 
 
 #: What a lab's kernel imports, whatever the lab (JAX's stack is added for the labs that use it).
@@ -107,120 +127,42 @@ def warm_bytecode(jax: bool = False) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600)
 
 
-# ------------------------------------------------------------------------------------------------ bubblewrap
-def _python_roots() -> list[str]:
-    """What the kernel needs to read: the venv, the Python it was made from, the library."""
-    roots = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix), str(COURSE_ROOT / "course_lib")}
-    return sorted(r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots))
-
-
-def bwrap_args(scratch: Path) -> list[str]:
-    """The ``bwrap`` command line (up to its ``--``) that boxes a kernel working in ``scratch``."""
-    args = [BWRAP]
-    for top in ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-    for root in _python_roots():
-        args += ["--ro-bind", root, root]
-    if os.path.isdir("/sys"):
-        args += ["--ro-bind", "/sys", "/sys"]           # CPU counts and topology (torch, JAX, psutil read them)
-    args += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch),
-             "--unshare-all", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534"]
-    return args
-
-
-@functools.lru_cache(maxsize=1)
-def bwrap_problem() -> str | None:
-    """None when bubblewrap can box a kernel here; else one line saying what is missing."""
-    if shutil.which(BWRAP) is None:
-        return (f"bubblewrap ({BWRAP}) is not installed: `make system-deps` (Debian: apt-get install bubblewrap), or "
-                f"grade with --no-sandbox")
-    probe = Path(__import__("tempfile").mkdtemp(prefix="course-grade-probe-"))
-    try:
-        cmd = bwrap_args(probe) + ["--", sys.executable, "-c", "import os; print(os.getuid())"]
-        try:
-            got = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"bubblewrap could not start here ({exc}); grade with --no-sandbox"
-        if got.returncode != 0 or got.stdout.strip() != "65534":
-            why = (got.stderr.strip().splitlines() or ["no output"])[-1]
-            return (f"bubblewrap cannot make its namespaces here ({why}): user namespaces may be off "
-                    f"(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces); grade with --no-sandbox")
-        return None
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
-
-
-def tagged_processes(tag: str, root_pid: int | None = None) -> list:
-    """psutil.Process for every live process carrying ``tag`` in its environment or under ``root_pid``."""
-    import psutil
-    found: dict[int, psutil.Process] = {}
-    if root_pid is not None:
-        try:
-            root = psutil.Process(root_pid)
-            found.update({p.pid: p for p in [root, *root.children(recursive=True)]})
-        except psutil.Error:
-            pass
-    me = os.getpid()
-    for p in psutil.process_iter():
-        if p.pid in found or p.pid == me:
-            continue
-        try:
-            if p.environ().get(TAG_VAR) == tag:
-                found[p.pid] = p
-        except psutil.Error:               # gone, a zombie, or not ours to read
-            continue
-    return [p for p in found.values() if _alive(p)]
-
-
-def _alive(p) -> bool:
-    import psutil
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def end_processes(tag: str, root_pid: int | None = None, rounds: int = 20) -> int:
-    """Stop, then kill, every process of the submission until none is left; how many were ended."""
-    import psutil
-    ended: set[int] = set()
-    for _ in range(rounds):
-        procs = tagged_processes(tag, root_pid)
-        if not procs:
-            break
-        for p in procs:                      # freeze first: a fork bomb cannot outrun the kills
-            try:
-                p.send_signal(signal.SIGSTOP)
-            except psutil.Error:
-                pass
-        for p in procs:
-            try:
-                p.kill()
-                ended.add(p.pid)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=2)
-    return len(ended)
-
-
 async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRun:
     """Execute ``nb`` (a NotebookNode, outputs filled in place) with cwd ``scratch``, for lab ``lab``; never raises
-    for a failing notebook: ``BoxedRun.stopped`` says why it stopped early."""
+    for a failing notebook: ``BoxedRun.stopped`` says why it stopped early, ``BoxedRun.bounds`` which bound it hit."""
+    scratch = Path(scratch)
+    uid = box_uid(limits.sandbox)
+    out = BoxedRun(tag=uuid.uuid4().hex, nonce=uuid.uuid4().hex, sandboxed=limits.sandbox, uid=uid,
+                   missing=list(missing_bounds(limits.sandbox)))
+    start = time.monotonic()
+    disk = None
+    if not any("scratch folder's disk" in m for m in out.missing):
+        try:
+            disk = ScratchDisk(scratch, limits.scratch_bytes, uid)
+            out.scratch_disk = str(disk.disk)
+        except OSError as exc:
+            out.missing.append(f"the scratch folder's disk is not bounded (its tmpfs could not be mounted: {exc})")
+    for line in out.missing:
+        say_once(line)
+    try:
+        return await _run(nb, scratch, limits, lab, out, start + limits.notebook_s, disk)
+    finally:
+        if disk is not None:
+            await asyncio.to_thread(disk.close)
+        out.seconds = time.monotonic() - start
+
+
+async def _run(nb, scratch: Path, limits: Limits, lab: str, out: BoxedRun, deadline: float,
+               disk: ScratchDisk | None) -> BoxedRun:
+    """:func:`run_boxed` once its scratch disk is mounted (``disk``, None without one)."""
     import nbformat       # here, not at the top: `python -m course_lib` reads Limits to build its parser
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
     from course_lib.authoring.run import without_output_widget_mirror
 
-    scratch = Path(scratch)
-    tag = uuid.uuid4().hex
-    out = BoxedRun(tag=tag, nonce=uuid.uuid4().hex, sandboxed=limits.sandbox)
-    start = time.monotonic()
-    deadline = start + limits.notebook_s
+    tag, uid = out.tag, out.uid
+    memory, disk_limit = size_text(limits.memory_bytes), size_text(limits.scratch_bytes)
 
     def cell_timeout(cell) -> int:
         return max(1, int(min(limits.cell_s, deadline - time.monotonic())))
@@ -229,33 +171,70 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
     sockets.mkdir(exist_ok=True)
     channel = GuardChannel(sockets / "guard", out)
     cgroup = f"course-grade-{tag}"
-    cmd = [sys.executable, str(LIMITS_SCRIPT), "--as-bytes", str(limits.memory_bytes), "--pids", str(limits.nproc),
-           "--cgroup", cgroup, "--"]
+    cmd = [sys.executable, str(LIMITS_SCRIPT), "--as-bytes", str(limits.memory_bytes), "--memory-bytes",
+           str(limits.memory_bytes), "--pids", str(limits.nproc), "--cgroup", cgroup]
+    if uid is not None:
+        cmd += ["--user", str(uid)]
+    cmd += ["--"]
     if limits.sandbox:
         cmd += bwrap_args(scratch) + ["--"]
     # -c, not -m: the guard must be the module `course_lib.apps.grading.guard` that finish() is later asked of, not __main__
     cmd += [sys.executable, "-c", "import sys; from course_lib.apps.grading.guard import main; main(sys.argv[1:])",
             "--lab", lab, "--channel", str(sockets / "guard")]
+    env = kernel_environment(scratch, tag, limits.sandbox)
+    base_manager = kernel_manager_class(limits, sockets, cmd)
+    if uid is not None:            # the box is nobody outside too: its folders, its pipe and its connection file
+        chown_tree(scratch, uid)
+
+        class OwnedManager(base_manager):
+            def write_connection_file(self, **kw):
+                result = super().write_connection_file(**kw)
+                os.chown(self.connection_file, uid, uid)
+                return result
+        manager = OwnedManager
+    else:
+        manager = base_manager
     client_cls = capped_client(NotebookClient, limits, out)
     client = without_output_widget_mirror(client_cls(
-        nb, kernel_manager_class=kernel_manager_class(limits, sockets, cmd), kernel_name="python3",
+        nb, kernel_manager_class=manager, kernel_name="python3",
         timeout_func=cell_timeout, allow_errors=True, interrupt_on_timeout=True, record_timing=False,
         error_on_timeout={"ename": TIMEOUT_ENAME, "evalue": "interrupted at the cell limit", "traceback": []},
         shutdown_kernel="immediate", resources={"metadata": {"path": str(scratch)}}))
     kernel_pid: list[int | None] = [None]
+    running: list[int | None] = [None]             # the cell running now (for the disk watch)
+    full_cells: list[int] = []                     # the cells in which the scratch disk became full
+    was_full = [False]
 
     log = open(sockets / "kernel.log", "wb")          # the kernel's own stdout/stderr (its banner, a crash)
 
+    def disk_full(index) -> None:
+        if disk is None or index is None:
+            return
+        full = disk.full()
+        if full and not was_full[0] and index not in full_cells:
+            full_cells.append(index)
+        was_full[0] = full
+
+    async def watch_disk():
+        while True:
+            await asyncio.sleep(0.2)
+            disk_full(running[0])
+
     async def execute():
-        async with client.async_setup_kernel(env=kernel_environment(scratch, tag, limits.sandbox), cwd=str(scratch),
-                                             stdout=log, stderr=log):
+        async with client.async_setup_kernel(env=env, cwd=str(scratch), stdout=log, stderr=log):
             kernel_pid[0] = getattr(getattr(client.km, "provisioner", None), "pid", None)
             try:
                 for index, cell in enumerate(client.nb.cells):
                     if time.monotonic() >= deadline - 1:
                         raise asyncio.TimeoutError
                     allowed, t0 = cell_timeout(cell), time.monotonic()
+                    running[0] = index
                     await client.async_execute_cell(cell, index)
+                    disk_full(index)
+                    running[0] = None
+                    if index in full_cells:
+                        cell.outputs.append(nbformat.v4.new_output("stream", name="stderr", text=(
+                            f"\n[the grader: the scratch folder's disk limit ({disk_limit}) was reached in this cell]\n")))
                     if cell.cell_type == "code" and time.monotonic() - t0 >= allowed:   # nbclient interrupted it
                         out.timed_out_cells.append(index)
                         cell.outputs.insert(0, nbformat.v4.new_output(
@@ -273,6 +252,7 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
             finally:       # counted while the kernel still runs (before the context shuts it down)
                 out.processes = len(tagged_processes(tag, kernel_pid[0]))
 
+    watcher = asyncio.ensure_future(watch_disk())
     try:
         await asyncio.wait_for(execute(), timeout=limits.notebook_s + 10)
     except asyncio.TimeoutError:
@@ -281,8 +261,18 @@ async def run_boxed(nb, scratch: Path, limits: Limits, lab: str = "") -> BoxedRu
         out.stopped = "the kernel died (out of memory, a crash, or os._exit)"
     except Exception as exc:  # a kernel that would not start, ...
         out.stopped = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    finally:
+        watcher.cancel()
+    used = limits_script.memory_report(cgroup)
+    out.memory_peak = used.get("peak", 0)
+    if used.get("oom_kills"):
+        out.bounds.append(f"memory limit {memory} reached")
+        if out.stopped and out.stopped.startswith("the kernel died"):
+            out.stopped = f"memory limit {memory} reached: the kernel was killed"
+    if full_cells or (disk is not None and disk.full()):
+        where = f" (cell {', '.join(str(i + 1) for i in full_cells)})" if full_cells else ""
+        out.bounds.append(f"scratch disk limit {disk_limit} reached{where}")
     out.leftovers = end_processes(tag, kernel_pid[0]) + limits_script.remove_cgroup(cgroup)
     channel.close()
     log.close()
-    out.seconds = time.monotonic() - start
     return out

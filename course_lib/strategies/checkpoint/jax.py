@@ -14,27 +14,102 @@ The words are :mod:`~course_lib.strategies.checkpoint.torch`'s. What differs fro
   (flax#5110), so the targets are built explicitly (:func:`restore_target`).
 * **RNG** -- JAX has no hidden generator state: a key is a value. Derive per-step keys with
   ``jax.random.fold_in(key, step)`` and the step number is all the RNG state a resume needs.
+* **one writer per folder** -- Orbax's manager prunes every step beyond ``max_to_keep``, whoever wrote it, so
+  the manager made here takes the folder's owner lock before its first save
+  (:mod:`~course_lib.strategies.checkpoint.owner`, :func:`claim_folder`: process 0 takes it, every process raises
+  the same :class:`~course_lib.strategies.checkpoint.owner.FolderBusy` naming the owner) and releases it on
+  ``close()``. Restoring never locks, nor writes.
 
 Importing this module imports neither JAX nor Orbax.
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from pathlib import Path
 
 from course_lib.strategies.fsdp.jax import fsdp_spec
 
-__all__ = ["manager", "save", "restore", "restore_target", "train_state", "put_state", "same_arrays",
+__all__ = ["manager", "claim_folder", "save", "restore", "restore_target", "train_state", "put_state", "same_arrays",
            "incomplete_steps", "saved_shapes", "shapes_of"]
 
 
-def manager(directory, keep: int = 2, *, enable_async: bool = True):
+def manager(directory, keep: int = 2, *, enable_async: bool = True, lock: bool = True, command: str | None = None):
     """An ``ocp.CheckpointManager`` on ``directory`` keeping the newest ``keep`` steps (async saves:
-    call ``.wait_until_finished()`` before reading the files; ``.close()`` when done)."""
+    call ``.wait_until_finished()`` before reading the files; ``.close()`` when done).
+
+    Its first ``save`` takes the folder (:func:`claim_folder`; ``lock=False``: the caller already holds it or
+    arbitrates writers itself); ``close()`` releases it. ``.owner``: process 0's lock once taken."""
     import orbax.checkpoint as ocp
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r} must be an int >= 1")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=enable_async)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+    mngr = _manager_class()(Path(directory).absolute(), options=options)
+    mngr.course_lock = lock
+    mngr.course_command = command
+    return mngr
+
+
+@functools.cache
+def _manager_class():
+    """``ocp.CheckpointManager`` plus the folder's owner lock: taken before the first save, released by close()."""
+    import orbax.checkpoint as ocp
+
+    class Manager(ocp.CheckpointManager):
+        owner = None
+        course_lock, course_command = True, None
+
+        def save(self, step, *args, **kwargs):
+            if self.course_lock:
+                self.owner = claim_folder(os.fspath(self.directory), command=self.course_command)
+                self.course_lock = False   # held from now on (None on the other processes)
+            return super().save(step, *args, **kwargs)
+
+        def close(self):
+            try:
+                super().close()
+            finally:
+                if self.owner is not None:
+                    self.owner.release()
+                    self.owner = None
+    return Manager
+
+
+_claims = itertools.count()   # every process claims in the same order (saves are collective): one key per claim
+
+
+def claim_folder(directory, *, command: str | None = None, run_id: str | None = None):
+    """Take ``directory`` for this run (:func:`~course_lib.strategies.checkpoint.owner.take`) on process 0 and
+    tell the others through ``jax.distributed``'s key-value store: a folder held by another live writer is
+    :class:`~course_lib.strategies.checkpoint.owner.FolderBusy` on *every* process (none is left waiting in a
+    collective), naming the owner; a folder that cannot be written, ``OSError`` on every process. Returns the
+    lock on process 0 (its ``.stale``: a dead owner taken over), None on the others. Collective."""
+    import sys
+    import jax
+    from course_lib.strategies.checkpoint import owner
+    command = command or " ".join([Path(sys.executable).name] + sys.argv)[:300]
+    lock, said = None, "ok"
+    if jax.process_index() == 0:
+        try:
+            lock = owner.take(directory, command=command, run_id=run_id)
+        except owner.FolderBusy as e:
+            said = "busy:" + str(e)
+        except OSError as e:
+            said = f"oserror:cannot write checkpoints to {directory}: {e.strerror or e}"
+    if jax.process_count() > 1:
+        from jax._src.distributed import global_state
+        key = f"course_lib/ckpt_owner/{next(_claims)}"
+        if jax.process_index() == 0:
+            global_state.client.key_value_set(key, said)
+        else:
+            said = global_state.client.blocking_key_value_get(key, 300_000)
+    kind, _, msg = said.partition(":")
+    if kind == "busy":
+        raise owner.FolderBusy(msg)
+    if kind == "oserror":
+        raise OSError(msg)
+    return lock
 
 
 def train_state(model, optimizer) -> dict:

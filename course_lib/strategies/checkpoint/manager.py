@@ -15,9 +15,17 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
 * **no commit record, no checkpoint** -- a step directory whose ``COMMIT.json`` is missing, truncated or names
   another step is never loaded, whatever its data files hold; :meth:`Checkpointer.latest` passes over it to the
   previous good step and :meth:`Checkpointer.ignored` says why.
+* **one writer per folder** -- before its first save (``probe=True``: at construction) rank 0 takes the folder's
+  owner lock (:mod:`~course_lib.strategies.checkpoint.owner`: the kernel's ``flock`` on the folder, a record of
+  host, pid, run and command; released by :meth:`Checkpointer.close`, garbage collection or any exit, ``SIGKILL``
+  included; a dead owner's record is taken over). A second Checkpointer on the folder -- another run, another
+  process or this one -- is refused on every rank with the same :class:`FolderBusy`, naming the owner, before it
+  writes a byte: two writers would prune each other's steps and race each other's renames. A folder held by this
+  run's launcher (the same ``run_id``: ``python -m course_lib.torchrun``) is this run's.
 * **fail before training, fail once, fail alike** -- where saves will happen, every rank writes a small probe
-  file (``probe=True``: at construction, before any step runs; by default: before the first save, so a
-  read-only folder still loads): a read-only, missing or full folder is one :class:`CheckpointWriteError`.
+  file (``probe=True``: at construction, before any step runs; by default: before the first save): a
+  read-only, missing or full folder is one :class:`CheckpointWriteError`. Constructing and loading never write
+  (nor lock): a read-only folder loads.
   A save that fails on the disk is *agreed*: every rank reports what it saw in one collective, before anyone
   removes anything, and every rank then raises the same :class:`CheckpointWriteError` (one message, naming the
   ranks, the cause and the last good step) after the ``.partial`` directory is removed -- or, with
@@ -31,8 +39,8 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
   K steps that verify are kept and the other steps *of this run* are deleted: a damaged newer step never costs
   an older good one, and a step another run wrote is never touched. "This run" is its lineage: every commit
   records the run id that wrote it and the runs it resumed from (``COMMIT.json``: ``run``, ``lineage``), and
-  :meth:`Checkpointer.load` adopts the lineage of the step it loads. (The capstone also locks the folder for
-  one trainer: :mod:`~course_lib.strategies.checkpoint.owner`.)
+  :meth:`Checkpointer.load` adopts the lineage of the step it loads. (Runs that follow one another share a
+  folder this way; runs at the same time cannot: the owner lock.)
 * **async** -- ``save(..., blocking=False)`` calls ``dcp.async_save`` on the manager's *own* gloo group:
   it needs a CPU-capable group, and its collectives (run in a background thread) must not interleave
   with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
@@ -55,10 +63,11 @@ import sys
 import zlib
 from pathlib import Path
 
+from course_lib.strategies.checkpoint.owner import FolderBusy
 from course_lib.strategies.checkpoint.torch import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
 
-__all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointWriteError", "verify", "read_commit",
-           "crc32_file", "step_dir", "COMMIT_FILE"]
+__all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointWriteError", "FolderBusy", "verify",
+           "read_commit", "crc32_file", "step_dir", "COMMIT_FILE"]
 
 COMMIT_FILE = "COMMIT.json"   #: written last inside the directory, just before the rename that commits it
 PARTIAL = ".partial"          #: suffix of a directory being written (or abandoned by a crash)
@@ -168,18 +177,23 @@ class Checkpointer:
     Construct on every rank (it creates its own gloo group, a collective). ``group``: the ranks that save
     together (default: all). Every method that writes or reads is collective over them.
 
-    ``probe``: every rank writes, syncs and deletes a small file in ``root``, so a read-only, missing or full
-    checkpoint folder is one :class:`CheckpointWriteError`, not a DCP traceback. ``True``: at construction (a
-    trainer: before training starts); ``None`` (default): before the first save (a folder that is only read --
-    read-only media, someone else's checkpoints -- loads); ``False``: never. ``on_save_error``: ``"raise"``
-    (default) or ``"warn"`` -- print one line and keep training (the run goes on with the previous checkpoint as
-    its last good one). Either way a failed save's ``.partial`` directory is removed. ``run_id``: this run's id
-    (default: a new one, chosen by rank 0), recorded in every step it commits; only steps of this run and of the
-    runs it resumed from are ever pruned.
+    Before the first save (``probe=True``: at construction, so a trainer fails before training starts) rank 0
+    takes the folder's owner lock (``lock=False``: not taken -- the caller arbitrates writers itself) and every rank
+    writes a probe file: a folder held by another live writer is :class:`FolderBusy` on every rank, naming it
+    (:attr:`taken_over`: the dead owner whose record was taken over, or None); a read-only, missing or full
+    folder is one :class:`CheckpointWriteError`, not a DCP traceback. ``probe``: ``True`` at construction;
+    ``None`` (default) before the first save (a folder that is only read -- read-only media, someone else's
+    checkpoints -- constructs and loads, and is not locked); ``False``: no probe file (the lock is still taken
+    before the first save). ``command``: how the owner record names this program (default: ``sys.argv``).
+    :meth:`close` (or ``with Checkpointer(...) as ckpt:``) finishes a save in flight and releases the folder.
+    ``on_save_error``: ``"raise"`` (default) or ``"warn"`` -- print one line and keep training (the run goes on
+    with the previous checkpoint as its last good one). Either way a failed save's ``.partial`` directory is
+    removed. ``run_id``: this run's id (default: a new one, chosen by rank 0), recorded in every step it commits
+    and in the owner record; only steps of this run and of the runs it resumed from are ever pruned.
     """
 
     def __init__(self, root, keep: int = 2, *, group=None, probe: bool | None = None, on_save_error: str = "raise",
-                 run_id: str | None = None):
+                 run_id: str | None = None, lock: bool = True, command: str | None = None):
         import torch.distributed as dist
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1: the newest good checkpoint is never deleted")
@@ -198,9 +212,62 @@ class Checkpointer:
             run_id = new_run_id()
         self.run_id = self._from_rank0(run_id)   # rank 0's: the ranks of one run share one id
         self.lineage: set[str] = {self.run_id}   #: runs whose steps this one may prune: itself and those it resumed
-        self._probe_at_save = probe is None
+        self._probe, self._lock, self._ready = probe, lock, False
+        self.command = command or " ".join([os.path.basename(sys.executable)] + sys.argv)[:300]
+        self.owner = None                        #: rank 0's held lock (owner.Lock), once taken
+        self.taken_over: dict | None = None      #: the dead owner whose record was taken over (rank 0), or None
         if probe:
+            self._prepare_to_write()
+
+    def _prepare_to_write(self) -> None:
+        """Before the first save: take the folder (rank 0, agreed by every rank), then the write probe."""
+        if self._lock:
+            self._claim()
+        if self._probe is not False:
             self.probe()
+        self._ready = True
+
+    def _claim(self) -> None:
+        """Rank 0 takes the owner lock; every rank raises the same :class:`FolderBusy` when another writer holds
+        it. A holder with this run's id is this run's launcher: the folder is already ours."""
+        from course_lib.strategies.checkpoint import owner
+        refused = None
+        if self.rank == 0 and self.owner is None:
+            for attempt in (1, 2):
+                try:
+                    self.owner = owner.take(self.root, command=self.command, run_id=self.run_id)
+                    self.taken_over = self.owner.stale
+                except FolderBusy as e:
+                    held = owner.holder(self.root) or {}
+                    if held.get("run_id") == self.run_id:
+                        break
+                    if attempt == 1 and held.get("pid") == os.getpid():
+                        import gc
+                        gc.collect()   # an earlier Checkpointer of this process, unreachable but in a cycle
+                        continue
+                    refused = str(e)
+                except OSError:   # a folder that cannot be created or opened: the probe / the save names it
+                    pass
+                break
+        refused = self._from_rank0(refused)
+        if refused:
+            raise FolderBusy(refused)
+
+    def close(self) -> None:
+        """Finish the save in flight (if any) and release the folder (rank 0). Collective when a save is in
+        flight. The lock also goes when this object is garbage-collected, and with the process."""
+        try:
+            self.wait()
+        finally:
+            if self.owner is not None:
+                self.owner.release()
+                self.owner = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def probe(self, nbytes: int = 1 << 16) -> None:
         """Every rank writes ``nbytes`` into ``root``, syncs and deletes it; any failure on any rank raises
@@ -263,9 +330,8 @@ class Checkpointer:
         Blocking time of an async save: staging, i.e. copying every tensor once, in this thread. Returns False
         when the save failed and ``on_save_error="warn"`` (else it raises)."""
         self.wait()                                        # one save in flight at a time
-        if self._probe_at_save:
-            self._probe_at_save = False
-            self.probe()
+        if not self._ready:
+            self._prepare_to_write()                       # the folder's lock, then the probe: before any byte
         from torch.distributed.checkpoint.api import CheckpointException
         for attempt in (1, 2):
             try:
