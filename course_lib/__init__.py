@@ -12,7 +12,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
-               link rates, cited), planner_work (FLOPs and bytes per token and op), planner_runs (published
+               link rates, cited), planner_work (FLOPs and bytes per token and op), planner_host (the host's
+               time: dispatches per step x seconds per dispatch), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
                rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
@@ -21,7 +22,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),
                fingerprint (a parameter's exact bits in 8 bytes: drifted replicas), nonfinite (where a NaN/inf
-               was born: a forward hook on every module)                     <- runtime, comm, maths
+               was born: a forward hook on every module), dispatches (torch ops of a step, counted)
+                 <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
                dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
                checkpoint/ {torch (DCP), jax (Orbax), manager, owner, resumable, safetensors, names}: write then
@@ -43,7 +45,7 @@ private names borrowed across modules). Lowest first, each with what it may impo
                cells), gpu_mfu, frameworks (torch eager / compiled / JAX on one
                GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces), labs (each lab's
-               seconds against its stated time)
+               seconds against its stated time), host (seconds per dispatch: the planner's host term)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets, authoring
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts

@@ -193,7 +193,7 @@ def test_gradient_accumulation_multiplies_the_micro_batch():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(float8=True, cluster=Cluster(A100_40GB, 8, 1)), r"float8=True needs fp8 tensor cores; A100-SXM4-40GB"),
     (dict(tp=3), r"tp\(3\) must divide gpus_per_node\(8\).*n_kv_heads\(8\)"),
-    (dict(loss="int8"), r"loss='int8' must be one of \['bf16', 'fp32', 'fused'\]"),
+    (dict(loss="int8"), r"loss='int8' must be one of \['bf16', 'chunked', 'fp32', 'fused'\]"),
     (dict(compute_efficiency=0.8, compile=True), r"compute_efficiency=0.8 is the one-number model.*compile=True"),
     (dict(grad_accum=0), r"grad_accum=0 must be an int >= 1"),
     (dict(attention="xformers"), r"attention='xformers' must be one of \['cudnn', 'flash2', 'triton'\]"),

@@ -24,6 +24,14 @@ run's id); a second trainer is refused naming the first (:mod:`~course_lib.strat
 status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused before training (flags, folder,
 resume), a signal's 128 + n under ``course_lib.torchrun``.
 
+The step keeps the host out of the GPU's way (a fast GPU otherwise waits for Python:
+:mod:`course_lib.maths.planner_host`): at world size 1 the model is not wrapped by ``fully_shard`` (nothing to
+shard; ``--bf16`` is ``torch.autocast`` there); each batch is built before the step that uses it (pinned, copied
+``non_blocking`` on a GPU); the loss is :func:`~course_lib.models.torch_gpt.fused_loss_fn` (fp32 one chunk at a
+time); nothing waits for the device inside a step at world size 1 -- on a GPU, steps are timed with CUDA events and
+losses read every ``LOG_EVERY_CUDA`` steps (and before a save). With several ranks every step still ends in one
+small all-reduce all ranks wait for: they must agree to stop after the same step.
+
 As in "Train Your Large Model on Multiple GPUs with Fully Sharded Data Parallelism": shard each block, then
 the root; save and load with DCP on every rank.
 
@@ -51,6 +59,8 @@ from course_lib.apps.train_config import (ConfigError, add_arguments, check_fold
 
 LOCK_ENV = "COURSE_LIB_CKPT_LOCK"   #: set by ``python -m course_lib.torchrun`` when it holds the folder: its run id
 
+#: on a GPU, steps run between two reads of the device (losses, timings): reading waits for the GPU to finish
+LOG_EVERY_CUDA = 10
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
 
 
@@ -134,8 +144,12 @@ def build(cfg, device):
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cfg.bf16 else {}
     if cfg.replicate > 1:
         shard_gpt_hsdp(model, hsdp_mesh(cfg.replicate, cfg.shard, device.type), **kw)
-    else:
+    elif cfg.world_size > 1:
         shard_gpt(model, init_device_mesh(device.type, (cfg.world_size,), mesh_dim_names=("shard",)), **kw)
+    # world size 1: no fully_shard. With nothing to shard it still runs its hooks around every block and copies and
+    # casts every parameter in forward and again in backward: L12 in bf16 made 2,293 dispatches per step (1,245 of
+    # them kernels), plain under autocast 1,523 (645): tests/test_train_dispatches.py. On a fast GPU the host issuing
+    # them is the bottleneck. --bf16 is then torch.autocast (train_step): bf16 matmuls, fp32 weights and gradients.
     model.to_empty(device=device)
     torch_init_(model, mcfg, cfg.seed)
     if cfg.compile:
@@ -148,6 +162,24 @@ def build(cfg, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
     data = ResumableBatches(TokenTask(mcfg.vocab_size, mcfg.seq_len, seed=cfg.data_seed), cfg.batch)
     return model, opt, sched, data
+
+
+def train_step(model, opt, sched, batch, autocast: bool = False):
+    """One step on ``batch`` = (x, y) on the model's device: forward (under bf16 ``torch.autocast`` when asked: world
+    size 1 has no FSDP2 policy to cast), the fused loss, backward, AdamW, the schedule. Returns the loss as a
+    tensor: nothing here waits for the device (``.item()`` would)."""
+    import torch
+    from course_lib.models import fused_loss_fn
+    x, y = batch
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x)                    # [B, T, V]; bf16 under autocast or FSDP2's bf16 policy
+    loss = fused_loss_fn(logits, y)          # fp32 maths, one chunk of fp32 logits at a time
+    del logits
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss
 
 
 def _resume(ckpt, model, opt, sched, data, rank: int, world: int) -> int:
@@ -260,7 +292,6 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     import torch.distributed as dist
     from tqdm.auto import tqdm
     from course_lib.comm import torch_ledger
-    from course_lib.models import loss_fn
     from course_lib.strategies.checkpoint.torch import AppState
     from course_lib.strategies.checkpoint.manager import Checkpointer, CheckpointCorrupt, CheckpointMismatch
 
@@ -291,45 +322,76 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
         write_run_record(cfg, "torch")
     log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None
     tokens, fpt, peak = cfg.batch * cfg.seq_len, flops_per_token(cfg.model_config()), peak_flops(device)
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     torch_ledger.recorder().reset()
-    times, step = [], start
+    times, step, pending = [], start, []   # pending: steps run but not yet logged (read at the log interval)
     bar = tqdm(total=cfg.steps, initial=start, disable=rank != 0, desc=f"train {world} ranks", unit="step")
+
+    def next_batch():   # this rank's next batch, on its device: built before the step that uses it, not timed
+        x, y = data.next(rank, world)
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in (x, y)) if cuda else (x, y)
+
+    def flush():   # log what ran: on a GPU the one wait for the device every LOG_EVERY_CUDA steps
+        nonlocal times
+        if not pending:
+            return
+        losses = torch.stack([p["loss"] for p in pending]).tolist()
+        for i, (p, loss) in enumerate(zip(pending, losses)):
+            if cuda:   # device time from this step's start to the next one's (the last: to its own end)
+                nxt = pending[i + 1]["t0"] if i + 1 < len(pending) else p["t1"]
+                nxt.synchronize()
+                p["dt"] = p["t0"].elapsed_time(nxt) / 1e3
+            dt = p["dt"]
+            times = times + [dt]
+            row = {"step": p["step"], "loss": loss / world, "tokens_per_s": tokens / dt, "step_s": dt,
+                   "lr": p["lr"], "peak_bytes": _peak_memory(device), "world_size": world}
+            if peak:
+                row["mfu"] = fpt * tokens / dt / (peak * world)
+            if log:
+                log.write(json.dumps(row) + "\n")
+        if log:
+            log.flush()
+        bar.update(len(pending))
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        pending.clear()
+
+    batch = next_batch() if start < cfg.steps else None
     for s in range(start, cfg.steps):
         torch_ledger.set_step(s)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            t0.record()
+        tic = time.perf_counter()
         lr = sched.get_last_lr()[0]          # the rate this step uses (sched.step() below moves to the next)
-        x, y = (t.to(device) for t in data.next(rank, world))
-        loss = loss_fn(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        t = torch.stack([loss.detach().float(), torch.tensor(float(stop["signal"] is not None), device=device)])
-        with torch_ledger.paused():   # bookkeeping, not training traffic: kept out of the ledger
-            dist.all_reduce(t)
-        dt = time.perf_counter() - t0
-        step, times = s + 1, times + [dt]
-        row = {"step": s, "loss": t[0].item() / world, "tokens_per_s": tokens / dt, "step_s": dt,
-               "lr": lr, "peak_bytes": _peak_memory(device), "world_size": world}
-        if peak:
-            row["mfu"] = fpt * tokens / dt / (peak * world)
-        if log:
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        stopping = t[1].item() > 0
-        if ckpt and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+        loss = train_step(model, opt, sched, batch, autocast=cfg.bf16 and world == 1)
+        if world > 1:   # every rank must stop after the same step: agree on it (a wait for the device each step)
+            t = torch.stack([loss.detach().float(), loss.detach().new_full((), float(stop["signal"] is not None))])
+            with torch_ledger.paused():   # bookkeeping, not training traffic: kept out of the ledger
+                dist.all_reduce(t)
+            loss_sum, stopping = t[0], t[1].item() > 0
+        else:           # one process: the flag is this process's own, no collective, no wait
+            loss_sum, stopping = loss.detach().float(), stop["signal"] is not None
+        step = s + 1
+        p = {"step": s, "loss": loss_sum, "lr": lr, "dt": time.perf_counter() - tic, "t0": t0}
+        if cuda:
+            p["t1"] = torch.cuda.Event(enable_timing=True)
+            p["t1"].record()
+        pending.append(p)
+        save = ckpt and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0))
+        if not cuda or save or stopping or step == cfg.steps or len(pending) >= LOG_EVERY_CUDA:
+            flush()
+        if save:
             with torch_ledger.paused():
                 ckpt.save(step, {"app": AppState(model, opt, sched, data, rank=rank)})
         if stopping:
             break
+        if step < cfg.steps:
+            batch = next_batch()             # after the save: the checkpoint's data position is the next step's
         if cfg.throttle:
             time.sleep(cfg.throttle)
+    flush()
     bar.close()
     ledger = torch_ledger.recorder().ledger()
     if rank == 0:

@@ -52,17 +52,20 @@ def planner_gpu(device_name: str):
 
 
 def predict(size: dict, run: str, gpu, torch_attention: str = "flash2"):
-    """The planner's plan of one run on one GPU: torch (``.float()`` loss, eager; ``compiled``: Inductor fuses the
-    blocks, the loss stays eager) or JAX (XLA fuses everything, the loss too; cuDNN attention)."""
+    """The planner's plan of one run on one GPU: torch as ``course_lib.train`` runs at world size 1 (no FSDP, bf16 by
+    autocast, the chunked loss; eager, or ``compiled``: Inductor fuses the blocks) or JAX (XLA fuses everything, the
+    loss too; cuDNN attention; one program per step). Each with the host's time (planner_host)."""
     from course_lib.maths import planner
     from course_lib.models.config import GPTConfig
     cfg = GPTConfig(**{k: v for k, v in size.items() if k != "batch"})
     kw = dict(seq_len=size["seq_len"], optimizer_bytes=28)     # fused AdamW / optax's fused update: r16 w12
     if run == "jax":
-        kw.update(attention="cudnn", loss="fused", compile=True)
+        kw.update(attention="cudnn", loss="fused", compile=True, framework="xla")
+        strategy = "fsdp"                                       # train_jax shards over its one-device mesh
     else:
-        kw.update(attention=torch_attention, loss="fp32", compile=run == "compiled")
-    return planner.plan(planner.course_gpt(cfg), planner.Cluster(gpu, 1), "fsdp", size["batch"], **kw)
+        kw.update(attention=torch_attention, loss="chunked", autocast=True, compile=run == "compiled")
+        strategy = "dp"                                         # world size 1: the plain module
+    return planner.plan(planner.course_gpt(cfg), planner.Cluster(gpu, 1), strategy, size["batch"], **kw)
 
 
 def ceilings() -> dict:
@@ -144,23 +147,17 @@ def run_one(size: dict, run: str, steps: int, out_dir: str, tag: str, timeout: f
 
 
 def profile_on_rank(size: dict, compile_: bool, steps: int = 2) -> dict:
-    """One rank, as ``course_lib.train --bf16 [--compile]`` builds it: GPU kernel time of ``steps`` steps by family."""
+    """One rank, as ``course_lib.train --bf16 [--compile]`` builds it at world size 1 (the plain module under bf16
+    autocast, the chunked loss): GPU kernel time of ``steps`` steps by family."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.profiler import ProfilerActivity, profile
 
     from course_lib.launch import rank_info
-    from course_lib.models import GPTConfig, TokenTask, TorchGPT, loss_fn
-    from course_lib.strategies.fsdp.torch import shard_gpt
+    from course_lib.models import GPTConfig, TokenTask, TorchGPT, fused_loss_fn
     dev = torch.device(rank_info().device)
     cfg = GPTConfig(**{k: v for k, v in size.items() if k != "batch"})
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = TorchGPT(cfg)
-    shard_gpt(model, init_device_mesh(dev.type, (1,)),
-              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    model.to_empty(device=dev)
+    model = TorchGPT(cfg).to(dev)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
@@ -172,7 +169,9 @@ def profile_on_rank(size: dict, compile_: bool, steps: int = 2) -> dict:
         0, size["batch"], 0, 1))
 
     def step():
-        loss_fn(model(x).float(), y).backward()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(x)
+        fused_loss_fn(logits, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     for _ in range(3):

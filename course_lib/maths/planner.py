@@ -20,6 +20,11 @@ FLOPs and bytes counted in :mod:`course_lib.maths.planner_work`:
   reduce and whatever does not fit; the compute slowed by NCCL's borrowed SMs while it hides; tensor
   parallelism's per-layer collectives (on NVLink, on the critical path).
 
+**The host** -- the CPU issuing the step (:mod:`course_lib.maths.planner_host`): dispatches per step, counted for
+the model as written (eager, compiled, XLA; FSDP2's hooks per unit) x seconds per dispatch calibrated on a tiny run.
+``step = max(device, host) + serial host work``; :attr:`Plan.host_bound` when the host is the slower. At the
+published runs' sizes the host never binds (at most 6% of the device's time), so their figures are unchanged.
+
 **MFU** (model FLOPs utilisation) = tokens/s · model FLOPs per token / peak (Chowdhery et al., "PaLM: Scaling
 Language Modeling with Pathways", 2022, appendix B): ``6N + 12·L·d·s`` per token. **HFU** counts what the
 hardware really ran: recomputed matmuls too. Neither counts memory-bound work, which is why a run whose time
@@ -50,6 +55,7 @@ import math
 from dataclasses import dataclass, field
 
 from course_lib.maths import memory
+from course_lib.maths import planner_host as host
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, step_cost
@@ -64,7 +70,8 @@ CHECKPOINTING = ("none", "selective", "full")
 #: the parts of a step, in the order Lab 08 stacks them
 BREAKDOWN = ("matmul", "attention", "memory-bound", "recompute", "exposed comm")
 RESERVE_BYTES = 1 * GiB       #: cuBLAS workspaces, NCCL buffers, allocator rounding (an assumption)
-LOGITS_BYTES = {"fp32": 14, "bf16": 8, "fused": 6}   #: per token and vocabulary entry, by ``loss=`` (docstring)
+#: per token and vocabulary entry, by ``loss=`` (docstring); "chunked" adds one fp32 chunk (8 B per entry of its rows)
+LOGITS_BYTES = {"fp32": 14, "bf16": 8, "fused": 6, "chunked": 4}
 NCCL_CHANNELS = 16            #: SMs a running collective takes from compute (planner_hw [NCCL])
 #: share of a step in which the GPU runs no kernel at all (launch gaps, host synchronisation, Python): every
 #: compute part is stretched by 1 / (1 - IDLE_FRACTION). The one constant fitted to a training run for every GPU:
@@ -209,12 +216,19 @@ class Plan:
     compile: bool = False
     float8: bool = False
     reserve: float = RESERVE_BYTES   #: the part of ``activations`` outside the caching allocator's tensors
+    host_s: float = 0.0              #: the host's time to issue the step (planner_host): hides under device time
+    host_serial_s: float = 0.0       #: host work the device waits for (a batch built in the step, a sync)
+    dispatches: int = 0              #: eager operator dispatches per step (planner_host)
+    kernels: int = 0                 #: of them, those that launch a kernel, + compiled launches
 
     state = property(lambda self: self.params + self.grads + self.optimizer)
     total = property(lambda self: self.state + self.buffers + self.activations)
     allocated = property(lambda self: self.total - self.reserve)   #: what max_memory_allocated would read
     fits = property(lambda self: self.total <= self.memory_limit)
-    step_s = property(lambda self: self.compute_s + self.exposed_comm_s)
+    device_s = property(lambda self: self.compute_s + self.exposed_comm_s)   #: what the GPU alone would take
+    #: step = max(device, host) + the host's serial work (planner_host)
+    step_s = property(lambda self: max(self.device_s, self.host_s) + self.host_serial_s)
+    host_bound = property(lambda self: self.host_s > self.device_s)        #: the host, not the GPU, sets the pace
     tokens_per_step = property(lambda self: self.batch * self.seq_len * self.grad_accum / self.tp)   #: per GPU
     tokens_per_s_per_gpu = property(lambda self: self.tokens_per_step / self.step_s)
 
@@ -241,7 +255,9 @@ class Plan:
                 f"{g(self.total)} GiB/GPU (state {g(self.state)}, buffers {g(self.buffers)}, activations "
                 f"{g(self.activations)}) of {g(self.memory_limit)} -> {'fits' if self.fits else 'does NOT fit'}; "
                 f"step {self.step_s:.3f} s (compute {self.compute_s:.3f}, comm {self.comm_s:.3f}, exposed "
-                f"{self.exposed_comm_s:.3f}), {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.0%}")
+                f"{self.exposed_comm_s:.3f}{f', host {self.host_s:.3f} HOST-BOUND' if self.host_bound else ''}"
+                f"{f', serial {self.host_serial_s:.3f}' if self.host_serial_s else ''}), "
+                f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.0%}")
 
 
 def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficiency, tp, grad_accum, compile,
@@ -271,7 +287,8 @@ def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficie
 def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_len: int | None = None,
          checkpointing: str = "none", replicate: int | None = None, compute_efficiency: float | None = None,
          reduce_bytes: int = 4, overlap: bool = True, compile: bool = False, float8: bool = False, tp: int = 1,
-         grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2", loss: str = "fp32") -> Plan:
+         grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2", loss: str = "fp32",
+         autocast: bool = False, framework: str = "torch", host_serial_s: float = 0.0) -> Plan:
     """One training step of ``model`` on ``cluster``: ``grad_accum`` micro-batches of ``batch`` sequences per
     data-parallel rank (a TP group of ``tp`` GPUs shares one), then the optimizer.
 
@@ -286,6 +303,12 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     JAX's ``implementation="cudnn"``, SDPA's cuDNN backend) or ``"triton"`` (MosaicML's 2023 runs). ``loss``: how
     the cross-entropy is written (:data:`~course_lib.maths.planner_work.LOSS_KINDS`): ``"fp32"`` (logits cast to
     fp32, eager), ``"bf16"`` (eager on bf16 logits) or ``"fused"`` (one fused kernel: compiled, or XLA).
+    ``"chunked"`` (``course_lib.train``: the gradient made in the forward, one fp32 chunk at a time).
+    ``autocast``: bf16 by ``torch.autocast`` on fp32 weights (``course_lib.train`` at world size 1, where there is no
+    FSDP2 policy): norms and the residual stream stay fp32, each weight's bf16 copy is kept for backward.
+    ``framework``: ``"torch"`` (eager dispatches, or compiled blocks) or ``"xla"`` (JAX: one program per step) --
+    the host's side of the step (:mod:`course_lib.maths.planner_host`); ``host_serial_s``: host seconds per step the
+    device waits for (a batch built inside the step, a synchronising read).
     ``compute_efficiency``: the course's old one-number model -- every FLOP at that fraction of peak, no
     memory-bound work -- kept to show what it misses. ``overlap=False``: nothing hides under compute.
     """
@@ -304,12 +327,18 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     units = [[(math.ceil(sum(math.prod(x) for x in u) / tp),)] for u in model.units()]
     sizes = sorted(u[0][0] for u in units)
     buffers = 2 * (sizes[-1] + sizes[-2]) + reduce_bytes * sizes[-1] if row.params else 0.0
+    if autocast:   # each matmul weight's bf16 copy, cast once per forward and kept for backward
+        buffers += 2 * sum(work.matmul_flops_per_token(model)) / 2 / tp     # 2 B x matmul parameters (FLOPs / 2)
     tok = batch * s / tp                                          # tokens each GPU computes per micro-batch
     L, V = model.n_layers, model.vocab_size
-    act = L * work.saved_bytes_per_token(model, checkpointing) * tok
+    act = L * work.saved_bytes_per_token(model, checkpointing, autocast) * tok
     if checkpointing != "none":
-        act += work.saved_bytes_per_token(model, "none") * tok   # one layer rebuilt at a time in backward
+        act += work.saved_bytes_per_token(model, "none", autocast) * tok   # one layer rebuilt at a time in backward
+    if autocast or loss == "chunked":   # course_lib.train's path, where it was measured (below 0.3% of a published
+        act += work.outside_layers_bytes_per_token(model, autocast) * tok   # run's memory: left out there)
     act += LOGITS_BYTES[loss] * V * tok + RESERVE_BYTES
+    if loss == "chunked":   # one chunk's fp32 cast and log-probabilities at a time
+        act += 8 * V * min(tok, max(1, work.LOSS_CHUNK_BYTES // (4 * V)))
     # -- compute, per micro-batch ------------------------------------------------------------------------
     mm_block, mm_head = work.matmul_flops_per_token(model)
     attn = work.attention_flops_per_token(model, s)
@@ -378,13 +407,17 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     parts = {"matmul": grad_accum * mm_s, "attention": grad_accum * attn_s,
              "memory-bound": grad_accum * mem_s + opt_s, "recompute": grad_accum * rec_s,
              "exposed comm": syncs * (exposed + slowdown) + grad_accum * tp_s}
+    # -- the host ----------------------------------------------------------------------------------------
+    hw_ = host.dispatches_per_step(model, fsdp=bool(row.params), bf16=True, compile=compile, framework=framework,
+                                   checkpointing=checkpointing, grad_accum=grad_accum)
     return Plan(strategy=strategy, world=n, replicate=r, batch=batch, seq_len=s, checkpointing=checkpointing,
                 params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=float(buffers),
                 activations=float(act), memory_limit=float(gpu.memory_bytes),
                 compute_s=grad_accum * micro_c + opt_s, comm_s=syncs * fsdp_comm + grad_accum * tp_s,
                 exposed_comm_s=parts["exposed comm"], model_flops_per_token=mf, hardware_flops_per_token=hw,
                 peak_flops=gpu.peak_flops, comm_by_op=by_op, parts=parts, tp=tp, grad_accum=grad_accum,
-                compile=compile, float8=float8)
+                compile=compile, float8=float8, host_s=hw_.seconds if compute_efficiency is None else 0.0,
+                host_serial_s=host_serial_s, dispatches=hw_.dispatches, kernels=hw_.kernels + hw_.launches)
 
 
 #: Meta, "The Llama 3 Herd of Models" (2024), table 3; sizes from the released config.json files.

@@ -27,7 +27,10 @@ GELU (per d_ff element)       r2 w2: 4                                    4
 log_softmax r8 w4, nll backward writes a dense fp32 gradient w4, log_softmax backward r8 w4, the cast back
 r4 w2: ``40·V`` bytes; ``"bf16"`` (eager on the bf16 logits) -- log_softmax r4 w2, nll backward w2,
 log_softmax backward r4 w2: ``16·V``; ``"fused"`` (one fused cross-entropy forward and backward: Inductor's, or
-XLA's fusion of the same ops in JAX): read the logits twice and write their gradient: ``8·V``.
+XLA's fusion of the same ops in JAX): read the logits twice and write their gradient: ``8·V``; ``"chunked"``
+(``course_lib.train``'s ``fused_loss_fn``: the gradient made in the forward, one chunk of fp32 at a time) -- the
+cast r2 w4, log_softmax r4 w4, exp in place r4 w4, the gradient written back r4 w2, its scaling in backward r2
+w2: ``32·V``.
 
 **Float8 scaling** (torchao's dynamic tensorwise recipe, as torchtitan runs it): every linear's input and its
 output gradient get an amax (read 2 B) and a cast to fp8 (read 2, write 1), and the backward a transposed fp8
@@ -41,7 +44,9 @@ FLOPs per token: ``2·(parameters of every matmul)`` forward, twice that backwar
 from __future__ import annotations
 
 __all__ = ["block_matmuls", "matmul_flops_per_token", "attention_flops_per_token", "pointwise_bytes_per_token",
-           "loss_bytes_per_token", "LOSS_KINDS", "recomputed_matmul_fraction", "saved_bytes_per_token",
+           "loss_bytes_per_token", "LOSS_KINDS", "LOSS_CHUNK_BYTES", "recomputed_matmul_fraction",
+           "saved_bytes_per_token",
+           "outside_layers_bytes_per_token",
            "float8_bytes_per_token"]
 
 
@@ -80,7 +85,9 @@ def pointwise_bytes_per_token(m, compile: bool) -> float:
     return norms + adds + rope + 4 * d + act
 
 
-LOSS_KINDS = ("fp32", "bf16", "fused")   #: how the cross-entropy is written (module docstring)
+LOSS_KINDS = ("fp32", "bf16", "fused", "chunked")   #: how the cross-entropy is written (module docstring)
+#: fp32 logits of one chunk of ``"chunked"`` (``course_lib.models.torch_gpt.LOSS_CHUNK_BYTES``; maths imports no models)
+LOSS_CHUNK_BYTES = 1 << 28
 
 
 def loss_bytes_per_token(m, compile: bool | str) -> float:
@@ -89,7 +96,7 @@ def loss_bytes_per_token(m, compile: bool | str) -> float:
     kind = compile if isinstance(compile, str) else ("fused" if compile else "fp32")
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss={kind!r} must be one of {LOSS_KINDS}")
-    return {"fp32": 40, "bf16": 16, "fused": 8}[kind] * m.vocab_size
+    return {"fp32": 40, "bf16": 16, "fused": 8, "chunked": 32}[kind] * m.vocab_size
 
 
 def float8_bytes_per_token(m, compile: bool) -> float:
@@ -112,7 +119,16 @@ def recomputed_matmul_fraction(m, checkpointing: str) -> float:
     return sum(i * o for k, (i, o) in enumerate(mms, 1) if k % 2 == 0) / total
 
 
-def saved_bytes_per_token(m, checkpointing: str) -> float:
+def outside_layers_bytes_per_token(m, autocast: bool = False) -> float:
+    """Bytes per token autograd keeps outside the layers: the final norm's input (bf16 2d; fp32 under autocast),
+    the head's input (2d) and the token ids (int64, 8). Measured on the course GPT (tests/test_planner_memory.py):
+    the layer table alone left them out. The planner adds them on ``course_lib.train``'s path (``autocast`` or the
+    chunked loss), where they were measured; at the published runs' sizes they are under 0.3% of the memory and
+    left out, so those plans (and Lab 08's printed figures) stand as validated."""
+    return (4 if autocast else 2) * m.d_model + 2 * m.d_model + 8
+
+
+def saved_bytes_per_token(m, checkpointing: str, autocast: bool = False) -> float:
     """Bytes one layer keeps for backward per token (bf16, flash attention: no ``s x s`` matrix).
 
     none: the block's saved inputs -- 2 norms, the qkv input, Q, K, V, the attention output, the MLP input
@@ -120,11 +136,17 @@ def saved_bytes_per_token(m, checkpointing: str) -> float:
     (``d_ff = 4d``) ``32·d``: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
     Models" (MLSys 2023), ``34·s·b·h`` less its two dropout masks. selective (torchtitan per-op): the layer
     input and the outputs of the matmuls it keeps (every odd one) and of attention. full: the layer input.
+
+    ``autocast`` (``torch.autocast`` to bf16, what ``course_lib.train`` runs at world size 1): the residual stream
+    stays fp32 and norms run in fp32, so each norm's saved input is 4d, not 2d (+4d a layer; the layer input +2d
+    under checkpointing). Measured on the course GPT under saved-tensor hooks (tests/test_planner_memory.py): the
+    bf16 count within 1% (the norms' and attention's per-row statistics are the rest), autocast's likewise.
     """
     d, kv, f = m.d_model, m.d_kv, m.d_ff
+    fp32_inputs = 2.0 * d if autocast else 0.0      # per norm input kept in fp32 rather than bf16
     if checkpointing == "full":
-        return 2.0 * d
+        return 2.0 * d + fp32_inputs
     if checkpointing == "selective":
         kept = sum(o for k, (_, o) in enumerate(block_matmuls(m), 1) if k % 2 == 1)
-        return 2.0 * d + 2.0 * kept + 2.0 * d       # layer input + kept mm outputs + attention output
-    return 12.0 * d + 4.0 * kv + (6 if m.gated_mlp else 4) * f
+        return 2.0 * d + 2.0 * kept + 2.0 * d + fp32_inputs   # layer input + kept mm outputs + attention output
+    return 12.0 * d + 4.0 * kv + (6 if m.gated_mlp else 4) * f + 2 * fp32_inputs

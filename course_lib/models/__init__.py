@@ -13,15 +13,15 @@ from course_lib.models.data import TokenTask
 from course_lib.models.flax_gpt import flax_gpt, flax_load_, flax_to_numpy_weights
 
 if importlib.util.find_spec("torch") is not None:
-    from course_lib.models.torch_gpt import (MLP, Block, CausalSelfAttention, TorchGPT, loss_fn, to_numpy_weights,
-                                             torch_gpt, torch_init_)
-_TORCH_NAMES = {"MLP", "Block", "CausalSelfAttention", "TorchGPT", "loss_fn", "to_numpy_weights", "torch_gpt",
-                "torch_init_"}
+    from course_lib.models.torch_gpt import (MLP, Block, CausalSelfAttention, TorchGPT, fused_loss_fn, loss_fn,
+                                             to_numpy_weights, torch_gpt, torch_init_)
+_TORCH_NAMES = {"MLP", "Block", "CausalSelfAttention", "TorchGPT", "loss_fn", "fused_loss_fn", "to_numpy_weights",
+                "torch_gpt", "torch_init_"}
 
 __all__ = [
     "GPTConfig", "LAB_CONFIG", "param_count", "weight_shapes", "init_weights", "LN_EPS", "INIT_STD",
     "TorchGPT", "Block", "CausalSelfAttention", "MLP", "torch_gpt", "torch_init_", "loss_fn",
-    "to_numpy_weights", "flax_gpt", "flax_load_", "flax_to_numpy_weights", "TokenTask",
+    "fused_loss_fn", "to_numpy_weights", "flax_gpt", "flax_load_", "flax_to_numpy_weights", "TokenTask",
 ]
 
 

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from course_lib.models.config import LN_EPS, GPTConfig, init_weights
 
 __all__ = ["TorchGPT", "Block", "CausalSelfAttention", "MLP", "torch_gpt", "torch_init_", "loss_fn",
-           "to_numpy_weights"]
+           "fused_loss_fn", "to_numpy_weights"]
+
+#: fp32 logits of one chunk of :func:`fused_loss_fn` (256 MiB: 2,048 rows of a 32K vocabulary)
+LOSS_CHUNK_BYTES = 1 << 28
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,6 +119,46 @@ def torch_gpt(cfg: GPTConfig = GPTConfig(), seed: int = 0) -> TorchGPT:
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over every position: logits [B, T, V], targets [B, T]."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy whose gradient is computed in the forward, chunk by chunk in fp32.
+
+    ``F.cross_entropy(logits.float(), y)`` keeps an fp32 copy of the logits, saves fp32 log-probabilities for
+    backward and, in backward, makes two more fp32 tensors of the same size (14 bytes per token and vocabulary
+    entry at the peak for bf16 logits). Here each chunk of rows is cast to fp32, its log-softmax gives the loss
+    and, in place, ``softmax - onehot`` (the gradient), written back in the logits' own dtype: autograd keeps
+    only that gradient, and fp32 exists for one chunk at a time. Liger-Kernel's and torchtune's fused/chunked
+    losses do the same (in one Triton kernel or under ``torch.compile``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):                         # [N, V] float, [N] int64
+        n_rows, vocab = logits.shape
+        rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+        grad = torch.empty_like(logits)                        # [N, V] in the logits' dtype
+        total = logits.new_zeros((), dtype=torch.float32)
+        for i in range(0, n_rows, rows):
+            t = targets[i:i + rows, None]                      # [n, 1]
+            logp = torch.log_softmax(logits[i:i + rows].float(), dim=1)   # [n, V] fp32, this chunk only
+            total -= logp.gather(1, t).sum()
+            p = logp.exp_()                                    # softmax, in place
+            p.scatter_add_(1, t, torch.full_like(t, -1, dtype=p.dtype))   # softmax - onehot(y)
+            grad[i:i + rows] = p
+        grad.div_(n_rows)
+        ctx.save_for_backward(grad)
+        return total / n_rows
+
+    @staticmethod
+    def backward(ctx, g):
+        grad, = ctx.saved_tensors
+        return grad * g, None
+
+
+def fused_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`loss_fn` (mean cross entropy, computed in fp32 whatever the logits' dtype) without an fp32 copy of
+    the logits kept for backward: logits [B, T, V] (bf16 or fp32), targets [B, T]. What ``course_lib.train``
+    runs; equal to ``loss_fn(logits.float(), targets)`` to fp32 rounding."""
+    return _FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def to_numpy_weights(model: nn.Module) -> dict[str, np.ndarray]:
