@@ -161,7 +161,7 @@ class SlurmCluster:
         while not ready():
             dead = [n for n, p in self._daemons.items() if p.poll() is not None]
             if dead or time.monotonic() > end:
-                tail = "".join((self.root / f"{n}.out").read_text()[-600:] for n in dead)
+                tail = "".join((self.root / f"{n}.out").read_text(errors="replace")[-600:] for n in dead)
                 raise RuntimeError(f"private Slurm: no {what} after {timeout} s; ended: {dead} {tail}")
             time.sleep(0.1)
 

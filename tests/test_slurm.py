@@ -121,7 +121,7 @@ def torch_reference(cluster, tmp_path_factory):
     t0 = time.monotonic()
     job = _submit(cluster, tmp, "train_torch.sbatch", ["--shard", "2"], extra_env={"NPROC_PER_NODE": "2"})
     info = cluster.wait(job, {"COMPLETED", "FAILED"}, 120)
-    out = (tmp / f"{job}.out").read_text()
+    out = (tmp / f"{job}.out").read_text(errors="replace")
     assert info["JobState"] == "COMPLETED", out[-2000:]
     rows = _rows(tmp / "log.jsonl")
     RECORD["torch runs to the end"] = {"states": ["PENDING", "RUNNING", "COMPLETED"], "restarts": info["Restarts"],
@@ -138,7 +138,7 @@ def test_torch_job_runs_to_the_end(cluster, torch_reference):
     assert len(starts) == 1 and not rest and starts[0][-1]["start"] == 0 and starts[0][-1]["end"] == STEPS
     assert [r["step"] for r in starts[0][:-1]] == list(range(STEPS)) and starts[0][-1]["world_size"] == 2
     assert _complete_steps(tmp / "ck" / job) == [STEPS]          # saved at the end, in the job's own folder
-    assert "capstone-torch: job" in (tmp / f"{job}.out").read_text()
+    assert "capstone-torch: job" in (tmp / f"{job}.out").read_text(errors="replace")
 
 
 @needs_slurm
@@ -199,13 +199,13 @@ def test_torch_job_preempted_then_node_killed_resumes_exactly(cluster, torch_ref
 def test_bad_arguments_refused_in_one_line_before_srun(cluster, tmp_path):
     job = _submit(cluster, tmp_path, "train_torch.sbatch", ["--shard", "3"], extra_env={"NPROC_PER_NODE": "2"})
     info = cluster.wait(job, {"FAILED", "COMPLETED"}, 60)
-    out = (tmp_path / f"{job}.out").read_text().splitlines()
+    out = (tmp_path / f"{job}.out").read_text(errors="replace").splitlines()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0" and info["Restarts"] == "0"
     assert out == [out[0]] and "replicate(1) * shard(3) != WORLD_SIZE(2)" in out[0], out
     assert not (tmp_path / "ck").exists() and not (tmp_path / "log.jsonl").exists()   # nothing started
     job = _submit(cluster, tmp_path, "train_jax.sbatch", ["--ckpt-dir", "elsewhere"], ntasks=2)
     info = cluster.wait(job, {"FAILED", "COMPLETED"}, 60)
-    out = (tmp_path / f"{job}.out").read_text().splitlines()
+    out = (tmp_path / f"{job}.out").read_text(errors="replace").splitlines()
     assert info["ExitCode"] == "2:0" and len(out) == 1 and "--ckpt-dir: the batch script sets" in out[0], out
     RECORD["bad arguments"] = {"states": ["RUNNING", info["JobState"]], "exit": info["ExitCode"], "line": out[0]}
 
@@ -219,7 +219,7 @@ def test_jax_job_requeued_by_slurm_resumes_exactly(cluster, tmp_path):
     args = ["--shard", "2", "--cpu-devices", "1"]
     ref_job = _submit(cluster, tmp_path, "train_jax.sbatch", args, ntasks=2, jsonl="ref.jsonl")
     ref_info = cluster.wait(ref_job, {"COMPLETED", "FAILED"}, 120)
-    assert ref_info["JobState"] == "COMPLETED", (tmp_path / f"{ref_job}.out").read_text()[-2000:]
+    assert ref_info["JobState"] == "COMPLETED", (tmp_path / f"{ref_job}.out").read_text(errors="replace")[-2000:]
     ref = _rows(tmp_path / "ref.jsonl")
     assert ref[-1]["processes"] == 2 and ref[-1]["end"] == STEPS
     log = tmp_path / "log.jsonl"
@@ -230,7 +230,7 @@ def test_jax_job_requeued_by_slurm_resumes_exactly(cluster, tmp_path):
     cluster.release(job, 1)
     t_running = time.monotonic()
     info = cluster.wait(job, {"COMPLETED", "FAILED"}, 120)
-    assert info["JobState"] == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-2000:]
+    assert info["JobState"] == "COMPLETED", (tmp_path / f"{job}.out").read_text(errors="replace")[-2000:]
     rows = _rows(log)
     starts, rest = _starts(rows)
     assert not rest and len(starts) == 2, rows
