@@ -255,10 +255,11 @@ def test_ctrl_c_returns_within_2_s_and_leaves_no_rank(kernel):
 
 def test_kernel_kill_leaves_no_process(kernel):
     km, kc = kernel
-    content, _ = _cell(kc, "%%ranks -n 2\n1")                         # ranks up, the fork server, the tracker
+    content, out = _cell(kc, "%%ranks -n 2\n1")                       # ranks up, the fork server, the tracker
     if content["status"] == "aborted":     # ipykernel drops a request that arrives just after an interrupt's error
-        content, _ = _cell(kc, "%%ranks -n 2\n1")
+        content, out = _cell(kc, "%%ranks -n 2\n1")
     assert content["status"] == "ok", content
+    assert "(the 2 ranks were restarted by the interrupt: the variables of earlier %%ranks -n 2 cells are gone" in out, out
     everything = _descendants(km)
     assert len(everything) >= 3, everything
     km.shutdown_kernel(now=True)                                      # SIGKILL: no shutdown handler runs

@@ -207,6 +207,7 @@ class _Pool:
         grace_deadline = None
         self._stalled = False
         counts, last_change = None, time.monotonic()
+        first_error = float("inf")
         by_conn = {c: r for r, c in enumerate(self.conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(finals) + len(errors) + len(dead) < self.world_size:
@@ -242,13 +243,17 @@ class _Pool:
                 if prog != counts:
                     counts, last_change = prog, time.monotonic()
                 pending = [r for r in range(self.world_size) if r not in finals and r not in errors and r not in dead]
-                if errors and not dead and _stuck_after_error(errors, pending, prog):
-                    break   # a rank waits in a collective that a failed rank never issued: no need to wait more
+                # A rank waits in a collective that a failed rank never issued: no need to wait more. (Counts are
+                # read 0.25 s after the error: a rank's publisher may still show its previous call's count.)
+                if (errors and not dead and time.monotonic() - first_error >= 0.25
+                        and _stuck_after_error(errors, pending, prog)):
+                    break
                 if (stall_s and pending and any(prog[r] > min(prog) for r in pending)
                         and time.monotonic() - last_change >= stall_s):
                     self._stalled = True    # a rank waits in a collective and no rank made progress for stall_s
                     break
             if (errors or dead) and grace_deadline is None:
+                first_error = time.monotonic()
                 # Others are probably blocked in a collective with the failed rank: give them a moment to report
                 # their own errors, then stop waiting. Ranks still computing get longer, to finish the call.
                 broken = dead or what != "call" or any(_facts(e).get("in_collective", True) for e in errors.values())
