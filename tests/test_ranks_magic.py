@@ -121,6 +121,15 @@ def test_a_raise_keeps_the_ranks_when_the_others_finished_and_a_restart_is_said_
     assert "(the 2 ranks restart for a process-group timeout of 100 s (theirs, fixed when they started, was 45 s)" in out, out
     content, out = _cell(kc, "%%ranks -n 2\n1")
     assert "(the 2 ranks were restarted for a process-group timeout of 100 s" in out, out
+    # a third world size stops the oldest warm one (two stay warm): said at once, and again at the next cell
+    assert _cell(kc, "%%ranks -n 3\n1")[0]["status"] == "ok"
+    content, out = _cell(kc, "%%ranks -n 4\n1")
+    assert content["status"] == "ok", content
+    assert ("(the 2 warm ranks stop to make room for 4 ranks (at most 2 world sizes stay warm): the variables of "
+            "earlier %%ranks -n 2 cells are gone)") in out, out
+    content, out = _cell(kc, "%%ranks -n 3\n1")
+    assert "(the 2 ranks were restarted to make room for 4 ranks" in out, out
+    assert _cell(kc, "%%ranks -n 2\nimport torch, torch.distributed as dist")[0]["status"] == "ok"   # for the tests below
 
 
 def test_an_error_shows_the_cells_frames_not_the_launchers(kernel):

@@ -138,6 +138,8 @@ def ranks(line: str, cell: str):
     out = CellOutput(notes)
 
     def notify(text, stopped):
+        if _SEEN.get(stopped.world_size) is not stopped:
+            return                  # no %%ranks cell's variables on those ranks (a run() call started them)
         note = f"({text})"
         print(note, file=sys.stderr)
         out.notes.append(note)
