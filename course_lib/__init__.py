@@ -17,7 +17,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
                rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
-               every rank), kernel_exit (a kernel that ran ranks shuts down at once)
+               every rank), cell_output (a %%ranks cell's output: live, then grouped), kernel_exit (a kernel
+               that ran ranks shuts down at once)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),

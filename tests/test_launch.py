@@ -91,6 +91,27 @@ def test_exception_on_one_rank_names_it_with_traceback_then_recovers():
     assert list(launch.run(_rank_sum, 0.0, world_size=4)) == [10.0] * 4
 
 
+def _raise_on_one_after_a_barrier():
+    import torch.distributed as dist
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gives up")
+    return dist.get_rank()
+
+
+@serial
+def test_a_raise_while_the_others_finish_keeps_the_ranks():
+    """Every rank answered and no raise came from inside a collective: the process group is in step, the same rank
+    processes serve the next call (a %%ranks cell's variables live in them)."""
+    launch.run(_rank_sum, 0.0, world_size=2)
+    procs = [p.pid for p in _pool_procs(2)]
+    with pytest.raises(RankError, match="rank 1 raised ValueError: rank 1 gives up") as err:
+        launch.run(_raise_on_one_after_a_barrier, world_size=2)
+    assert "worker_main" not in str(err.value) and "worker_main" in err.value.traceback_text, str(err.value)
+    assert [p.pid for p in _pool_procs(2)] == procs
+    assert list(launch.run(_rank_sum, 0.0, world_size=2)) == [3.0, 3.0]
+
+
 def _skip_collective():
     import torch
     import torch.distributed as dist

@@ -17,8 +17,11 @@ How it avoids the traps we measured on this kind of machine:
   running at once never collide and there is no race for a "free" port.
 * Process groups get a short timeout, and the notebook side has its own deadline: a rank that
   raised, died or skipped a collective ends in a :class:`RankError` / :class:`LaunchTimeout` naming
-  the ranks, the pool is killed, and the next call starts a fresh one. Interrupting the kernel
-  kills the pool too.
+  the ranks. The pool is killed, and the next call starts a fresh one, unless every rank answered and
+  no raise came from inside a collective (one rank raised, the others finished): its process group is
+  then in step, and the ranks' state (a ``%%ranks`` cell's variables) stays. Interrupting the kernel
+  kills the pool too. ``%%ranks`` limits waiting in a collective while no rank progresses
+  (``stall_s``), not computing.
 * Workers leave with ``os._exit`` after flushing: gloo's threads sometimes abort the process at
   interpreter exit ("terminate called without an active exception"); skipping the exit handlers
   removes that crash, so it can never surface as a failure.
@@ -47,9 +50,15 @@ import cloudpickle
 from course_lib.launch import kernel_exit, stacks
 from course_lib.launch.rank import to_cpu, worker_main
 from course_lib.comm.ledger import Ledger
-from course_lib.launch.results import LaunchTimeout, RankError, RunResult
+from course_lib.launch.results import RUN_SPELLING, LaunchTimeout, RankError, RunResult
 
 DEFAULT_TIMEOUT_S = 45.0  # notebook-side deadline for one call; well under a minute
+#: A limit on *waiting in a collective* (``stall_s``, what ``%%ranks`` uses by default) is reported this much before
+#: the process group's own timeout, so the report -- every rank's stack -- comes before gloo's bare timeout error.
+STALL_MARGIN_S = 5.0
+#: After a rank raised, how long the others may go on computing to finish the call (and keep the ranks) before
+#: the pool is killed; a rank that waits for a collective the failed rank never issued ends the wait at once.
+ERROR_GRACE_S = 10.0
 _POOLS: dict = {}         # (world_size, backend) -> _Pool, at most _MAX_POOLS kept warm
 _MAX_POOLS = 2
 _STALE_DIRS: list = []    # rendezvous directories of killed pools, removed by _remove_stale_dirs
@@ -145,6 +154,7 @@ def start_early() -> bool:
 class _Pool:
     def __init__(self, world_size: int, backend: str, pg_timeout_s: float, start_timeout_s: float):
         self.world_size, self.backend, self.pg_timeout_s = world_size, backend, pg_timeout_s
+        self.stall_s, self.spelling, self.ended = None, RUN_SPELLING, None   # the call's; why the pool was killed
         self.conns, self.procs, self._child_ends = [], [], []
         # Rendezvous through a file in a private directory: no socket at all, so nothing listens
         # beyond this machine (a TCPStore master binds every interface) and no name lookup.
@@ -183,13 +193,21 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def _collect(self, is_final, timeout_s: float, what: str):
-        """Read every rank's messages until each sent a final one; print output as it arrives."""
+    def _collect(self, is_final, timeout_s: float | None, what: str):
+        """Read every rank's messages until each sent a final one; print output as it arrives.
+
+        ``timeout_s``: a wall limit (None: none). During a call, ``self.stall_s`` (set by :meth:`call`): end it when
+        some rank waits in a collective (it issued more than another rank) and no rank's count of collectives moved
+        for that long."""
+        stall_s = self.stall_s if what == "call" else None
         finals: dict[int, tuple] = {}
         errors: dict[int, tuple] = {}
         dead: dict[int, int] = {}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
         grace_deadline = None
+        self._stalled = False
+        counts, last_change = None, time.monotonic()
+        first_error = float("inf")
         by_conn = {c: r for r, c in enumerate(self.conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(finals) + len(errors) + len(dead) < self.world_size:
@@ -199,6 +217,8 @@ class _Pool:
                 break
             waiting = [c for c, r in by_conn.items() if r not in finals and r not in errors and r not in dead]
             waiting += [s for s, r in by_sentinel.items() if r not in finals and r not in errors and r not in dead]
+            for sink in OUTPUT_SINKS:
+                sink.tick()   # %%ranks: stream the lines that waited long enough
             for ready in mpc.wait(waiting, timeout=min(0.2, limit - now)):
                 if ready in by_sentinel:
                     r = by_sentinel[ready]
@@ -218,11 +238,27 @@ class _Pool:
                 except (EOFError, OSError):
                     continue  # the sentinel will tell us how it died
                 self._handle(r, msg, finals, errors, is_final)
+            if what == "call":
+                prog = [self.progress[3 * r] for r in range(self.world_size)]
+                if prog != counts:
+                    counts, last_change = prog, time.monotonic()
+                pending = [r for r in range(self.world_size) if r not in finals and r not in errors and r not in dead]
+                # A rank waits in a collective that a failed rank never issued: no need to wait more. (Counts are
+                # read 0.25 s after the error: a rank's publisher may still show its previous call's count.)
+                if (errors and not dead and time.monotonic() - first_error >= 0.25
+                        and _stuck_after_error(errors, pending, prog)):
+                    break
+                if (stall_s and pending and any(prog[r] > min(prog) for r in pending)
+                        and time.monotonic() - last_change >= stall_s):
+                    self._stalled = True    # a rank waits in a collective and no rank made progress for stall_s
+                    break
             if (errors or dead) and grace_deadline is None:
-                # Others are probably blocked in a collective with the failed rank: give them a
-                # moment to report their own errors, then stop waiting.
-                grace_deadline = time.monotonic() + 1.0
-        return self._verdict(finals, errors, dead, what, timeout_s)
+                first_error = time.monotonic()
+                # Others are probably blocked in a collective with the failed rank: give them a moment to report
+                # their own errors, then stop waiting. Ranks still computing get longer, to finish the call.
+                broken = dead or what != "call" or any(_facts(e).get("in_collective", True) for e in errors.values())
+                grace_deadline = time.monotonic() + (1.0 if broken else ERROR_GRACE_S)
+        return self._verdict(finals, errors, dead, what, timeout_s, stall_s)
 
     def _handle(self, r, msg, finals, errors, is_final):
         kind = msg[0]
@@ -233,36 +269,54 @@ class _Pool:
         elif is_final(r, msg):
             finals[r] = msg
 
-    def _verdict(self, finals, errors, dead, what, timeout_s):
+    def _verdict(self, finals, errors, dead, what, timeout_s, stall_s=None):
         if not errors and not dead and len(finals) == self.world_size:
             return finals
         _flush_labelled()
+        spell = getattr(self, "spelling", RUN_SPELLING)
         frames = {}
         if what == "call" and not errors and not dead:   # a hang: every rank's stack before the ranks go
             frames = stacks.capture(self.procs, self.tmpdir, getattr(self, "main_threads", {}))
-        if not (errors and len(errors) == self.world_size):
-            self.kill()  # someone may be stuck in a collective: start afresh next time
+        missing = [r for r in range(self.world_size) if r not in finals and r not in errors and r not in dead]
+        in_collective = any(_facts(e).get("in_collective", True) for e in errors.values())
+        # Keep the ranks (and what a %%ranks cell left in them) when every rank answered and none of the raises came
+        # from inside a collective: the process group is then in step. Else someone may be stuck in a collective.
+        if not (what == "call" and errors and not dead and not missing
+                and (len(errors) == self.world_size or not in_collective)):
+            if dead:
+                why = f"after {_describe_deaths(dead)}"
+            elif errors and missing:
+                why = (f"after rank {min(errors)}'s error ({ranks_text(missing)} "
+                       f"{'was' if len(missing) == 1 else 'were'} still running or waiting for it)")
+            elif errors:
+                why = f"after rank {min(errors)}'s error inside a collective (the process group may be broken)"
+            else:
+                why = "after the hang"
+            self.kill(why)
         if dead:  # a dead rank is the cause; the others' errors are usually its echo
             first = min(dead)
             if what == "start" and set(dead.values()) == {MAIN_GUARD_EXIT}:
                 raise RankError(first, "RankDied", _MAIN_GUARD_TEXT, "", {})
             desc = _describe_deaths(dead)
             others = {r: e[0] for r, e in errors.items()}
-            raise RankError(first, "RankDied", f"{desc} during the {what}; the pool was shut down, "
-                            "the next call starts afresh", "", others)
+            raise RankError(first, "RankDied", f"{desc} during the {what}; {spell.died}", "", others)
         if errors:
             first = min(errors)
-            exc_type, message, tb = errors[first]
+            exc_type, message, tb = errors[first][:3]
             others = {r: e[0] for r, e in errors.items() if r != first}
-            raise RankError(first, exc_type, message, tb, others)
+            raise RankError(first, exc_type, message, tb, others, own_traceback=_facts(errors[first]).get("own"))
         missing = [r for r in range(self.world_size) if r not in finals]
         where, slow = self._where(missing) if what == "call" else ("", missing[0])
-        raise LaunchTimeout(
-            slow, "LaunchTimeout",
-            f"{ranks_text(missing)} did not finish the {what} within {timeout_s:g} s "
-            f"(finished: {ranks_text(sorted(finals), bare=True) or 'none'}){where}. A rank that skips a collective leaves the others "
-            "waiting in it. The pool was shut down; the next call starts afresh "
-            "(pass timeout=... to allow longer runs)", "", frames=frames, finished=set(finals))
+        if self._stalled and what == "call":
+            text = (f"{ranks_text(missing)} did not finish: a rank waited in a collective for {stall_s:g} s while no "
+                    f"rank made progress (finished: {ranks_text(sorted(finals), bare=True) or 'none'}){where}. A rank "
+                    f"that skips a collective leaves the others waiting in it. {spell.ended} ({spell.wait})")
+        else:
+            text = (f"{ranks_text(missing)} did not finish the {what} within {timeout_s:g} s "
+                    f"(finished: {ranks_text(sorted(finals), bare=True) or 'none'}){where}. A rank that skips a "
+                    f"collective leaves the others waiting in it. {spell.ended} ({spell.longer})")
+        raise LaunchTimeout(slow, "LaunchTimeout", text, "", frames=frames, finished=set(finals),
+                            stacks_hint=spell.stacks)
 
     def _where(self, missing):
         """Where the unfinished ranks wait, from the collective counts every rank publishes live."""
@@ -285,13 +339,16 @@ class _Pool:
             text += f" ({ranks_text(done)} returned without it)"
         return text, behind[0]
 
-    def call(self, fn, args, kwargs, timeout_s: float) -> RunResult:
+    def call(self, fn, args, kwargs, timeout_s: float | None, stall_s: float | None = None,
+             spelling=RUN_SPELLING) -> RunResult:
         blob = _pickle_call(fn, args, kwargs)
         for i in range(len(self.progress)):
             self.progress[i] = 0
+        self.spelling = spelling
         t0 = time.perf_counter()
         for c in self.conns:
             c.send(("run", blob))
+        self.stall_s = stall_s
         finals = self._collect(lambda r, msg: msg[0] == "result", timeout_s, what="call")
         _flush_labelled()
         bad = {r: finals[r][1][1] for r in range(self.world_size) if finals[r][1][0] == "unpicklable"}
@@ -305,7 +362,10 @@ class _Pool:
         out.backend = self.backend
         return out
 
-    def kill(self):
+    def kill(self, why: str = ""):
+        """Kill the ranks; ``why`` (e.g. "after the hang") is kept in ``self.ended`` for the next %%ranks cell."""
+        if getattr(self, "ended", None) is None:
+            self.ended = why or "(stopped)"
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -322,8 +382,10 @@ class _Pool:
         if _POOLS.get((self.world_size, self.backend)) is self:
             _POOLS.pop((self.world_size, self.backend), None)
 
-    def stop(self):
+    def stop(self, why: str = "by course_lib.shutdown()"):
         """Polite shutdown: ranks leave with os._exit; anything left after 2 s is killed."""
+        if getattr(self, "ended", None) is None:
+            self.ended = why
         for c in self.conns:
             try:
                 c.send(("stop",))
@@ -331,7 +393,7 @@ class _Pool:
                 pass
         for p in self.procs:
             p.join(2)
-        self.kill()
+        self.kill(why)
         return [p.exitcode for p in self.procs]
 
 
@@ -373,6 +435,19 @@ def ranks_text(ranks, bare: bool = False) -> str:
     return f"rank {body}" if len(ranks) == 1 else f"ranks {body}"
 
 
+def _facts(error: tuple) -> dict:
+    """The rank's judgement of its own raise (:func:`.rank.error_facts`); empty for a raise during the start."""
+    return error[3] if len(error) > 3 else {}
+
+
+def _stuck_after_error(errors: dict, pending: list, prog: list) -> bool:
+    """A rank still running has issued more collectives than a rank that raised: it waits for one that never comes."""
+    counts = [_facts(e).get("collectives") for e in errors.values()]
+    if not pending or None in counts:
+        return False
+    return any(prog[r] > min(counts) for r in pending)
+
+
 def _describe_deaths(dead: dict) -> str:
     by_code: dict = {}
     for r, c in dead.items():
@@ -409,13 +484,13 @@ def _describe_exit(code) -> str:
 
 
 _partial: dict = {}
-OUTPUT_SINKS: list = []   # while a %%ranks cell runs: [{(rank, stream): [text, ...]}], grouped when it ends (.magic)
+OUTPUT_SINKS: list = []   # while a %%ranks cell runs: its output collector (.magic): add(rank, stream, text), tick()
 
 
 def _print_labelled(rank: int, stream: str, text: str):
     """Print a rank's output line by line, each line prefixed with ``[rank r]``."""
     if OUTPUT_SINKS:
-        OUTPUT_SINKS[-1].setdefault((rank, stream), []).append(text)
+        OUTPUT_SINKS[-1].add(rank, stream, text)
         return
     buf = _partial.get((rank, stream), "") + text
     *lines, rest = buf.split("\n")
@@ -451,7 +526,6 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
         RankError: a rank raised (its traceback included) or died (the signal named).
         LaunchTimeout: ranks did not finish in ``timeout`` s; names them.
     """
-    from course_lib.runtime.devices import check_torch_version, choose_backend
     if not callable(fn):
         raise TypeError(f"run() needs a function to call on every rank, got {type(fn).__name__}: {fn!r}")
     if mp.current_process().name.startswith("course_lib-rank"):
@@ -463,40 +537,81 @@ def run(fn, *args, world_size: int = 4, backend: str | None = None, timeout: flo
         raise RuntimeError(f"run() cannot start ranks from a program read from {main_file!r}: every rank re-imports "
                            "the main script from its file. Save the code to a file (the run() call under "
                            "`if __name__ == \"__main__\":`) and run `python file.py`, or run it in a notebook")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int (2-8 ranks suit this machine)")
-    limit = max_world_size()
-    if world_size > limit and not _under_torchrun():
-        raise ValueError(f"world_size={world_size} is more than this machine can run: at most {limit} ranks "
-                         f"({os.cpu_count()} cores; each rank is a process of ~150 MB, and gloo connects every rank "
-                         "to every other). Use 2-8 ranks; COURSE_LIB_MAX_WORLD_SIZE raises the limit")
+    check_world_size(world_size)
     if timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
     if _under_torchrun():
         return _run_under_torchrun(fn, args, kwargs)
+    return launch(fn, args, kwargs, world_size=world_size, backend=backend, timeout=timeout, fresh=fresh)
+
+
+#: The pool the latest call ran on (a %%ranks cell asks whether its ranks survived the call).
+LAST_POOL: list = [None]
+
+
+def launch(fn, args, kwargs, *, world_size: int, backend: str | None = None, timeout: float | None,
+           fresh: bool = False, stall_s: float | None = None, spelling=RUN_SPELLING, notify=None,
+           pg_floor_s: float = 0.0) -> RunResult:
+    """:func:`run` after its checks, for ``%%ranks`` too: ``timeout`` is a wall limit (None: none), ``stall_s`` a
+    limit on waiting in a collective while no rank progresses, ``notify(text, pool)`` hears, before it happens, that warm
+    ranks are stopped to make room or to get a longer process-group timeout (their variables go with them);
+    ``pg_floor_s``: the least process-group timeout a pool started now gets (so a short limit now does not force a
+    restart later)."""
+    from course_lib.runtime.devices import check_torch_version, choose_backend
     _start_fork_server()  # before this process imports torch: on a cold start the two imports overlap
     check_torch_version()
     b = choose_backend(world_size, prefer=backend).name
     key = (world_size, b)
     pool = _POOLS.get(key)
+    # A rank may wait in a collective as long as the call may last, or the stall limit and a margin.
+    pg_timeout = max(timeout or 0.0, stall_s + STALL_MARGIN_S if stall_s else 0.0)
     # The process-group timeout is fixed when a pool starts: a call that needs longer gets a new pool.
-    if pool is not None and (fresh or not pool.alive() or pool.pg_timeout_s < timeout):
-        pool.stop()
+    if pool is not None and (fresh or not pool.alive() or pool.pg_timeout_s < pg_timeout):
+        if fresh:
+            why = "by run(..., fresh=True)"
+        elif not pool.alive():
+            why = "because a rank process had died"
+        else:
+            why = (f"for a process-group timeout of {pg_timeout:g} s (theirs, fixed when they started, was "
+                   f"{pool.pg_timeout_s:g} s)")
+            if notify:
+                notify(f"the {world_size} ranks restart {why}: the variables of earlier %%ranks -n {world_size} "
+                       "cells are gone", pool)
+        pool.stop(why)
         pool = None
+    LAST_POOL[0] = pool
     try:
         if pool is None:
             while len(_POOLS) >= _MAX_POOLS:
-                _POOLS[next(iter(_POOLS))].stop()
-            pool = _Pool(world_size, b, pg_timeout_s=timeout, start_timeout_s=max(timeout, 60.0))
+                old = _POOLS[next(iter(_POOLS))]
+                why = (f"to make room for {world_size} ranks (at most {_MAX_POOLS} world sizes stay warm)")
+                if notify:
+                    notify(f"the {old.world_size} warm ranks stop {why}: the variables of earlier %%ranks "
+                           f"-n {old.world_size} cells are gone", old)
+                old.stop(why)
+            pg_timeout = max(pg_timeout, pg_floor_s)
+            pool = _Pool(world_size, b, pg_timeout_s=pg_timeout, start_timeout_s=max(pg_timeout, 60.0))
+            LAST_POOL[0] = pool
             _POOLS[key] = pool
-            out = pool.call(fn, args, kwargs, timeout)
+            out = pool.call(fn, args, kwargs, timeout, stall_s, spelling)
             out.startup = pool.startup  # this call started the ranks: how long each stage took
             return out
-        return pool.call(fn, args, kwargs, timeout)
+        return pool.call(fn, args, kwargs, timeout, stall_s, spelling)
     except KeyboardInterrupt:
         if pool is not None:
-            pool.kill()
+            pool.kill("by the interrupt")
         raise
+
+
+def check_world_size(world_size, name: str = "world_size") -> None:
+    """A world size this machine can run, or a ValueError naming the limit (``name``: how the caller spells it)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"{name}={world_size!r} must be a positive int (2-8 ranks suit this machine)")
+    limit = max_world_size()
+    if world_size > limit and not _under_torchrun():
+        raise ValueError(f"{name}={world_size} is more than this machine can run: at most {limit} ranks "
+                         f"({os.cpu_count()} cores; each rank is a process of ~150 MB, and gloo connects every rank "
+                         "to every other). Use 2-8 ranks; COURSE_LIB_MAX_WORLD_SIZE raises the limit")
 
 
 def _run_under_torchrun(fn, args, kwargs) -> RunResult:

@@ -119,6 +119,27 @@ def _release_fork_server():
         server._forkserver_address = None
 
 
+_LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def error_facts(exc: BaseException, collectives: int) -> dict:
+    """What the notebook needs to judge a rank's raise: the traceback from the learner's own first frame on (the
+    launcher's frames -- this module, ``magic.exec_cell``, ``ast.parse`` -- left out), how many collectives the rank
+    had issued, and whether the raise came from inside a collective (its process group may be broken)."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(_LAUNCH_DIR)
+                              or os.path.basename(tb.tb_frame.f_code.co_filename) == "ast.py"):
+        tb = tb.tb_next
+    own = "".join(traceback.format_exception(type(exc), exc, tb))
+    in_collective = any(f.filename.endswith("distributed_c10d.py") for f in traceback.extract_tb(exc.__traceback__))
+    try:
+        import torch.distributed as dist
+        in_collective = in_collective or isinstance(exc, dist.DistError)
+    except (ImportError, AttributeError):
+        pass
+    return {"own": own, "collectives": collectives, "in_collective": in_collective}
+
+
 def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, conn, pg_timeout_s: float,
                 progress=None):
     """Body of one rank process (forked from the fork server).
@@ -201,4 +222,4 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
                 payload = ("unpicklable", f"{type(value).__name__} ({type(exc).__name__}: {exc})")
             conn.send(("result", payload, rec.ledger().to_dicts()))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
-            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc(), error_facts(exc, len(rec.records))))

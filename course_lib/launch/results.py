@@ -1,22 +1,51 @@
 """What a call of :func:`course_lib.run` gives back: per-rank results, or an error that names the ranks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from course_lib.comm.ledger import Ledger
 
-__all__ = ["RankError", "LaunchTimeout", "RunResult"]
+__all__ = ["RankError", "LaunchTimeout", "RunResult", "Spelling", "RUN_SPELLING", "MAGIC_SPELLING"]
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a message names what happened and what to do, in the words of the caller: ``run()``'s keyword
+    arguments, or a ``%%ranks`` cell's options."""
+    died: str      #: after "rank 2 was killed by SIGKILL during the call; "
+    ended: str     #: after a hang: what became of the ranks
+    longer: str    #: how to allow a longer call
+    wait: str      #: how to allow a longer wait in a collective
+    stacks: str    #: where the full stacks of a hang are
+
+
+RUN_SPELLING = Spelling(died="the pool was shut down, the next call starts afresh",
+                        ended="The pool was shut down; the next call starts afresh",
+                        longer="pass timeout=... to allow longer runs", wait="pass timeout=... to allow longer runs",
+                        stacks="err.stacks[rank]")
+MAGIC_SPELLING = Spelling(died="the ranks were restarted: the variables of earlier %%ranks cells are gone",
+                          ended="The ranks were restarted: the variables of earlier %%ranks cells are gone",
+                          longer="%%ranks --timeout SECONDS allows a longer cell",
+                          wait="if a rank was computing, not stuck: %%ranks --wait SECONDS allows a longer wait",
+                          stacks="sys.last_value.stacks[rank]")
 
 
 class RankError(RuntimeError):
-    """A rank raised (or died). ``rank``, ``exc_type`` and ``traceback_text`` say which and why."""
+    """A rank raised (or died). ``rank``, ``exc_type`` and ``traceback_text`` say which and why.
 
-    def __init__(self, rank: int, exc_type: str, message: str, traceback_text: str, others: dict | None = None):
+    ``str(err)`` shows the rank's own frames only (from the function it ran, or the ``%%ranks`` cell's lines, on);
+    ``traceback_text`` keeps the rank's whole traceback, the launcher's frames included."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, traceback_text: str, others: dict | None = None,
+                 own_traceback: str | None = None):
         self.rank, self.exc_type, self.traceback_text = rank, exc_type, traceback_text
         self.others = others or {}
         text = message if exc_type in ("LaunchTimeout", "RankDied") else f"rank {rank} raised {exc_type}: {message}"
         if self.others:
             text += "\nalso failed: " + ", ".join(f"rank {r} ({t})" for r, t in sorted(self.others.items()))
-        if traceback_text:
-            text += f"\n\n--- traceback on rank {rank} ---\n{traceback_text}"
+        shown = own_traceback or traceback_text
+        if shown:
+            text += f"\n\n--- traceback on rank {rank} ---\n{shown.rstrip()}"
         super().__init__(text)
 
 
@@ -35,11 +64,12 @@ class LaunchTimeout(RankError, TimeoutError):
     """
 
     def __init__(self, rank: int, exc_type: str, message: str, traceback_text: str = "", others: dict | None = None,
-                 frames: dict | None = None, finished=()):
+                 frames: dict | None = None, finished=(), stacks_hint: str = RUN_SPELLING.stacks):
         from course_lib.launch import stacks as _stacks
         self.frames = dict(sorted((frames or {}).items()))
         self.stacks = {r: _stacks.format_stack(f) for r, f in self.frames.items()}
         self.waiting_on = {r: _stacks.waiting_on(f, r in finished) for r, f in self.frames.items()}
+        self.stacks_hint = stacks_hint
         if self.waiting_on:
             message += "\n\n" + self.report()
         super().__init__(rank, exc_type, message, traceback_text, others)
@@ -48,7 +78,7 @@ class LaunchTimeout(RankError, TimeoutError):
         """Which line each rank was waiting on when the call timed out (full stacks in ``err.stacks``)."""
         if not self.waiting_on:
             return "no stacks were captured"
-        lines = ["where each rank was when the call timed out (full stacks: err.stacks[rank]):"]
+        lines = [f"where each rank was when the call timed out (full stacks: {self.stacks_hint}):"]
         lines += [f"  rank {r}: {w}" for r, w in self.waiting_on.items()]
         return "\n".join(lines)
 
