@@ -54,6 +54,7 @@ RUNS = {
     "python -m course_lib bench step-time": (HERE + "test_bench_step_time_tiniest", '"step-time"'),
     "python -m course_lib bench timeline": (HERE + "test_bench_timeline_tiniest", '"timeline"'),
     "python -m course_lib bench labs": (HERE + "test_bench_labs_tiniest", '"labs"'),
+    "python -m course_lib.bench.host": (HERE + "test_bench_host_calibrates", "course_lib.bench.host"),
     "python -m course_lib bench two-node": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
                                             '"two-node"'),
     # the worker torchrun starts on each "node" of `bench two-node` (the test asserts the report it feeds)
@@ -287,3 +288,11 @@ def test_bench_labs_tiniest(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("00_tiny") or "00_tiny.ipynb " in line)
     assert "0.5–60 s" in row and ("in range" in row or "faster" in row), done.stdout
+
+
+def test_bench_host_calibrates():
+    """``python -m course_lib.bench.host`` (Lab 08 names it): this machine's seconds per dispatch, from a tiny run."""
+    done = subprocess.run([PY, "-m", "course_lib.bench.host"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DISPATCH_S =" in done.stdout and "FSDP_UNIT_S =" in done.stdout, done.stdout
