@@ -32,7 +32,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 __all__ = ["CheckFailed", "check", "current", "not_implemented_todo", "Detector", "hint", "register_hints",
-           "last_error", "keep_error", "likely_cause", "strict"]
+           "last_error", "keep_error", "likely_cause", "learner_line", "crash_text", "strict"]
 
 DEFAULT_TODO = ("fill in the code marked `# YOUR CODE HERE` above, run that cell, then re-run this one")
 _STUB_PREFIX = "Exercise not done yet:"
@@ -153,7 +153,7 @@ def last_error_text() -> str:
     return _LAST_ERROR[0]
 
 
-def _learner_line(text: str) -> str:
+def learner_line(text: str) -> str:
     """``line N: <code>`` of the last traceback frame in notebook code (a cell), or ''."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(?:\^+\s*)?([^\n]*)', text)
     for path, line, code in reversed(frames):
@@ -212,6 +212,15 @@ _CAUSES: list[tuple[str | None, str, str]] = [
      "DCP could not save or load: most often a state_dict whose keys or shapes differ from the checkpoint's"),
     ("RecursionError", "", "a function that calls itself without end (a hook that triggers itself?)"),
 ]
+
+
+def crash_text(kind: str, msg: list[str], line: str = "", where: str = "") -> str:
+    """The ❌ text of a crash in the learner's code (after ``❌ name: ``): the exception's type, the rank
+    (``where``), the cell's line, the message's first line and its likely cause. Judges that word a crash their run
+    half recorded as plain data use it too."""
+    cause = likely_cause(kind, " ".join(msg))
+    return (f"{CRASH_PHRASE} {kind}{where}" + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
+            + (f"\n   likely cause: {cause}" if cause else "") + "\n   (full traceback: checks.last_error())")
 
 
 def likely_cause(kind: str, message: str) -> str:
@@ -295,13 +304,9 @@ class check:
         where = f" on rank {exc.rank}" if getattr(exc, "rank", None) is not None and rank_type else ""
         kind = rank_type or type(exc).__name__
         msg = (_rank_message(exc) if rank_type else str(exc)).strip().splitlines()
-        line = _learner_line(text)
+        line = learner_line(text)
         _LAST_ERROR[0] = text
-        cause = likely_cause(kind, " ".join(msg))
-        return self._wrong(f"❌ {self.name}: {CRASH_PHRASE} {kind}{where}"
-                           + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
-                           + (f"\n   likely cause: {cause}" if cause else "")
-                           + "\n   (full traceback: checks.last_error())")
+        return self._wrong(f"❌ {self.name}: {crash_text(kind, msg, line, where)}")
 
     def _wrong(self, feedback: str) -> bool:
         """A wrong answer: raise under the tests, else print it and let the lab fall back."""

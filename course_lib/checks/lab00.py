@@ -52,18 +52,6 @@ HINTS = {
 
 
 # -- what crosses the boundary: a learner's value, with its element type ------------------------------------
-def _sent(value) -> dict:
-    """Run half: a value the learner's code returned, as plain data that keeps its element type: ``{"type",
-    "dtype", "values"}`` (bfloat16 has no NumPy twin: its numbers travel as float32, its name beside them)."""
-    kind = _plain.type_name(value)
-    if kind.startswith(("torch.", "jax")) and hasattr(value, "dtype"):
-        dtype = str(value.dtype).removeprefix("torch.")
-        if kind.startswith("jax") and dtype == "bfloat16":
-            value = np.asarray(value).astype(np.float32)
-        return {"type": kind, "dtype": dtype, "values": _plain.plain(value)}
-    return {"type": kind, "dtype": None, "values": _plain.plain(value)}
-
-
 def _shown(sent) -> str:
     """Judge half: how to name a value that is not what was asked for."""
     value = sent.get("values") if isinstance(sent, dict) else sent
@@ -124,7 +112,7 @@ def _all_reduce_on_rank(fn, numel: int) -> dict:
     with lt.phase("mean"):
         got_mean = fn(given["mean"], mean=True)
     got = {"sum": got_sum, "mean": got_mean}
-    return _plain.plain({"sum": _sent(got_sum), "mean": _sent(got_mean), "given_after": given,
+    return _plain.plain({"sum": _plain.typed(got_sum), "mean": _plain.typed(got_mean), "given_after": given,
                          "alias": [k for k in got if shares_memory(got[k], given[k])]})
 
 
@@ -387,7 +375,7 @@ def run_jax_all_reduce(fn, mesh, numel: int) -> dict:
         if untiled_collective(e) is None:
             raise
         return {"devices": n, "error": {"type": type(e).__name__, "message": str(e)}}
-    return {"devices": n, "got": _sent(got), "hlo": _rows(from_compiled(f.lower(x).compile(), mesh))}
+    return {"devices": n, "got": _plain.typed(got), "hlo": _rows(from_compiled(f.lower(x).compile(), mesh))}
 
 
 def _averaged(n: int) -> checks.Detector:

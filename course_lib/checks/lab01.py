@@ -344,18 +344,6 @@ def check_make_buckets(fn, name: str = "make_buckets") -> bool:
 
 
 # -- exercises 3 and 4, in JAX: what crosses is an array with its element type ----------------------------------
-def _sent(value) -> dict:
-    """Run half: a JAX value as plain data that keeps its element type: ``{"type", "dtype", "values"}``
-    (bfloat16 has no NumPy twin: its numbers travel as float32, its name beside them)."""
-    kind = _plain.type_name(value)
-    if kind.startswith("jax") and hasattr(value, "dtype"):
-        values = np.asarray(value)
-        dtype = str(values.dtype)
-        return {"type": kind, "dtype": dtype,
-                "values": values.astype(np.float32) if values.dtype.kind not in "biufc" else values}
-    return {"type": kind, "dtype": None, "values": _plain.plain(value)}
-
-
 def _received(sent, what: str) -> np.ndarray:
     """Judge half: the array a :func:`_sent` value holds, typed as the learner's was (bfloat16 stays bfloat16, so
     that :func:`~course_lib.checks.assert_close` names a lost cast)."""
@@ -421,8 +409,8 @@ def run_dp_value_and_grad(fn, mesh) -> dict:
     return {"devices": n,
             "out": {"type": type(out).__name__,
                     "items": [type(o).__name__ for o in out] if isinstance(out, (tuple, list)) else None},
-            "loss": _sent(out[0]) if pair else None,
-            "grads": {str(k): _sent(v) for k, v in out[1].items()} if pair and isinstance(out[1], dict) else None,
+            "loss": _plain.typed(out[0], ("jax",)) if pair else None,
+            "grads": {str(k): _plain.typed(v, ("jax",)) for k, v in out[1].items()} if pair and isinstance(out[1], dict) else None,
             "hlo": [{"op": r.op, "nbytes": int(r.nbytes)} for r in hlo]}
 
 

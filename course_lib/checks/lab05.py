@@ -155,26 +155,20 @@ def spec_shown(d) -> str:
 def crash_record(exc: BaseException) -> dict:
     """Run half: a crash in the learner's code on one case, as plain data; its traceback kept behind the ❌ line
     (``checks.last_error()``). The judge words it (:func:`raise_crash`) when it reaches that case, in order."""
-    import re
     import traceback
 
-    from course_lib.checks.core import keep_error
+    from course_lib.checks.core import keep_error, learner_line
     text = "".join(traceback.format_exception(exc))
     keep_error(text)
-    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(?:\^+\s*)?([^\n]*)', text)
-    line = next((f"line {n}: {code.strip()}" for path, n, code in reversed(frames)     # the last frame in a cell,
-                 if "ipykernel" in path or path.startswith(("<ipython", "<cell"))), "")  # as check() names it
-    return {"crash": {"kind": type(exc).__name__, "msg": str(exc).strip(), "line": line}}
+    return {"crash": {"kind": type(exc).__name__, "msg": str(exc).strip(), "line": learner_line(text)}}
 
 
 def raise_crash(record: dict) -> None:
     """Judge half: raise the ❌ text :class:`~course_lib.checks.core.check` gives a crash, from :func:`crash_record`."""
-    from course_lib.checks.core import CRASH_PHRASE, likely_cause
+    from course_lib.checks.core import crash_text
     c = record["crash"] if isinstance(record.get("crash"), dict) else {}
     kind, msg, line = str(c.get("kind", "an exception")), str(c.get("msg", "")).splitlines(), str(c.get("line") or "")
-    cause = likely_cause(kind, " ".join(msg))
-    raise AssertionError(f"{CRASH_PHRASE} {kind}" + (f" at {line}" if line else "") + (f": {msg[0]}" if msg else "")
-                         + (f"\n   likely cause: {cause}" if cause else "") + "\n   (full traceback: checks.last_error())")
+    raise AssertionError(crash_text(kind, msg, line))
 
 
 def run_cases(call, cases, record: tuple = ()) -> list:

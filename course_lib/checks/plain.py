@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["plain", "dumps", "loads", "MAX_BYTES", "UNPLAIN", "type_name"]
+__all__ = ["plain", "typed", "dumps", "loads", "MAX_BYTES", "UNPLAIN", "type_name"]
 
 #: A run's data larger than this is refused (the grader reads files a box wrote).
 MAX_BYTES = 64 * 2**20
@@ -96,6 +96,22 @@ def plain(value: Any, _depth: int = 0) -> Any:
     if arr is not None:
         return arr
     return {UNPLAIN: type_name(value)}
+
+
+def typed(value: Any, frameworks: tuple[str, ...] = ("torch.", "jax")) -> dict:
+    """``{"type", "dtype", "values"}``: a value as plain data that keeps its element type. For a tensor or array of
+    one of ``frameworks`` (a prefix of its type's name) ``dtype`` is the framework's own name ("bfloat16", whose
+    numbers travel as float32); otherwise None, and ``values`` is :func:`plain`."""
+    kind = type_name(value)
+    arr = _array(value) if kind.startswith(frameworks) else None
+    if arr is None:
+        return {"type": kind, "dtype": None, "values": plain(value)}
+    torch = sys.modules.get("torch")
+    if torch is not None and _is(value, torch.Tensor):
+        dtype = str(torch.Tensor.dtype.__get__(value)).removeprefix("torch.")
+    else:
+        dtype = str(np.asarray(value).dtype)
+    return {"type": kind, "dtype": dtype, "values": arr}
 
 
 def _encode(value: Any, arrays: list) -> Any:
