@@ -14,7 +14,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_host (the host's
                time: dispatches per step x seconds per dispatch), planner_runs (published
-               runs: calibration and validation sets)                                     <- runtime, comm
+               runs: calibration and validation sets), planner_course_runs (the capstone measured on a
+               lent H200: the planner judged by the course's own GPU runs)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
                rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
                every rank), cell_output (a %%ranks cell's output: live, then grouped), kernel_exit (a kernel
@@ -46,7 +47,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                cells), gpu_mfu, frameworks (torch eager / compiled / JAX on one
                GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces), labs (each lab's
-               seconds against its stated time), host (seconds per dispatch: the planner's host term)
+               seconds against its stated time), host (seconds per dispatch: the planner's host term),
+               offload (FSDP2's CPU offload on one GPU)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets, authoring
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
