@@ -11,8 +11,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
-               time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
-               link rates, cited), planner_work (FLOPs and bytes per token and op), planner_host (the host's
+               time from α, β and FLOP/s), flops (FLOPs per token: MFU's one numerator), schedule (the LR
+               warm-up), planner (real models on real clusters), planner_hw (GPU and link rates, cited: the one
+               table of GPU peaks), planner_work (FLOPs and bytes per token and op), planner_host (the host's
                time: dispatches per step x seconds per dispatch), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the

@@ -53,6 +53,9 @@ import sys
 import time
 
 from course_lib.runtime.imports import import_quickly
+from course_lib.maths.flops import gpt_flops_per_token
+from course_lib.maths.planner_hw import peak_flops
+from course_lib.maths.schedule import Warmup
 from course_lib.apps.train_config import (ConfigError, add_arguments, check_folder, check_paths, check_ranks,
                                           check_resume, from_args, quiet_parser_errors, wait_for_rank_0,
                                           write_run_record)
@@ -61,32 +64,6 @@ LOCK_ENV = "COURSE_LIB_CKPT_LOCK"   #: set by ``python -m course_lib.torchrun`` 
 
 #: on a GPU, steps run between two reads of the device (losses, timings): reading waits for the GPU to finish
 LOG_EVERY_CUDA = 10
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
-
-
-def flops_per_token(cfg) -> float:
-    """6·N (forward + backward of every weight) + 12·L·T·d (attention scores and values), per token."""
-    from course_lib.models.config import param_count
-    return 6 * param_count(cfg) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
-
-
-def peak_flops(device) -> float | None:
-    """Dense bf16 peak of this GPU from its name (None on CPU or an unknown GPU: no MFU then)."""
-    import torch
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-class Warmup:
-    """LR factor min(1, (s + 1) / steps): a picklable linear warm-up."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def __call__(self, s: int) -> float:
-        return min(1.0, (s + 1) / self.steps)
 
 
 def _die_with_the_agent() -> None:
@@ -321,7 +298,8 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     if ckpt and rank == 0:
         write_run_record(cfg, "torch")
     log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None
-    tokens, fpt, peak = cfg.batch * cfg.seq_len, flops_per_token(cfg.model_config()), peak_flops(device)
+    tokens, fpt = cfg.batch * cfg.seq_len, gpt_flops_per_token(cfg.model_config())   # MFU: course_lib.maths.flops
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

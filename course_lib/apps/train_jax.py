@@ -241,7 +241,9 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     from course_lib.strategies.checkpoint import jax as checkpoint_jax
     from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.strategies.hsdp import jax as hsdp_jax
-    from course_lib.apps.train import PEAK_BF16_FLOPS, flops_per_token
+    from course_lib.maths.flops import gpt_flops_per_token
+    from course_lib.maths.planner_hw import peak_flops
+    from course_lib.maths.schedule import Warmup
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     mcfg = cfg.model_config()
@@ -249,7 +251,8 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     rule = hsdp_jax.hsdp_rule(cfg.shard)
     model = models.flax_gpt(mcfg, seed=cfg.seed)
     fsdp_jax.shard_model(model, mesh, rule)
-    sched = lambda count: cfg.lr * jax.numpy.minimum(1.0, (count + 1) / cfg.warmup)   # noqa: E731 (as torch)
+    warmup = Warmup(cfg.warmup)
+    sched = lambda count: cfg.lr * warmup(count, jax.numpy.minimum)   # noqa: E731 (torch's schedule)
     tx = optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)      # torch.optim.AdamW's defaults
     opt = fsdp_jax.sharded_optimizer(model, tx, mesh, rule)
     data_sharding = NamedSharding(mesh, hsdp_jax.batch_spec(mesh))
@@ -284,9 +287,8 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     step_fn, state = make_step(mesh, rule, cfg.bf16, cfg.act_ckpt, model, opt)
     compiled = step_fn.lower(state, *batch(start)).compile(fsdp_jax.compile_options(mesh))
     dev = jax.devices()[0]
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in getattr(dev, "device_kind", "")), None) \
-        if dev.platform == "gpu" else None
-    tokens, fpt = cfg.batch * cfg.seq_len, flops_per_token(mcfg)
+    peak = peak_flops(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else None
+    tokens, fpt = cfg.batch * cfg.seq_len, gpt_flops_per_token(mcfg)   # MFU as course_lib.train counts it
     log = open(cfg.jsonl, "a") if (cfg.jsonl and pid == 0) else None
     times, step = [], start
     bar = tqdm(total=cfg.steps, initial=start, disable=pid != 0, desc=f"train_jax {jax.device_count()} devices",
