@@ -5,7 +5,8 @@ graph (``MAY_IMPORT`` in ``tests/test_layers.py``, which also sees lazy and stri
 private names borrowed across modules). Lowest first, each with what it may import::
 
   runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine), imports
-               (heavy imports with the garbage collector paused and frozen: a quicker start)
+               (heavy imports with the garbage collector paused and frozen: a quicker start), errors (the one
+               walk of an error's causes, groups and DCP's per-rank failures)
   comm/        ledger (record types), shim (flat all-gather / reduce-scatter), collectives (all-reduce from
                its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO)
                  <- runtime

@@ -63,6 +63,7 @@ import sys
 import zlib
 from pathlib import Path
 
+from course_lib.runtime.errors import inner_errors, rank_failures, root_cause
 from course_lib.strategies.checkpoint.owner import FolderBusy
 from course_lib.strategies.checkpoint.torch import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
 
@@ -378,7 +379,7 @@ class Checkpointer:
                 cause, storage, full = cause + f" -- the disk is full ({free:,} bytes free)", True, True
         except OSError:
             pass
-        failed = sorted(getattr(exc, "failures", None) or {}) or None   # DCP names the ranks whose write failed
+        failed = list(rank_failures(exc)) or None   # DCP names the ranks whose write failed
         try:
             views = self._gather({"cause": cause, "storage": storage, "full": full, "failed": failed})
         except BaseException:  # noqa: BLE001 - the group itself is broken (a rank died): nothing to agree on
@@ -603,33 +604,16 @@ def _run_of(path) -> str | None:
 
 
 def _no_space(exc: BaseException) -> bool:
-    """Whether ENOSPC (or EDQUOT) is anywhere in ``exc``: its causes, or DCP's per-rank failures."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        for f in (getattr(e, "failures", None) or {}).values():
-            todo.append(f[0] if isinstance(f, tuple) else getattr(f, "exc", f))
-        todo += [e.__cause__, e.__context__]
-    return False
+    """Whether ENOSPC (or EDQUOT) is anywhere in ``exc``: its causes and contexts, or DCP's per-rank failures."""
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+               for e in inner_errors(exc, context=True))
 
 
 def _root_cause(exc: BaseException) -> tuple[str, bool]:
     """The first real error inside DCP's ``CheckpointException`` (it wraps every rank's), in one line, and
     whether it is the storage's (an ``OSError`` that is not a broken connection)."""
-    failures = getattr(exc, "failures", None) or {}
-    for _, f in sorted(failures.items()):
-        inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)   # (exception, stack) per rank
-        if isinstance(inner, BaseException):
-            exc = inner
-            break
-    seen = exc
-    while seen.__cause__ is not None:
-        seen = seen.__cause__
+    first = next(iter(rank_failures(exc).values()), None)   # the lowest failed rank's (exception, stack)
+    seen = root_cause(first[0] if first else exc)
     storage = isinstance(seen, OSError) and not isinstance(seen, ConnectionError)
     if isinstance(seen, OSError) and seen.strerror:
         return f"{type(seen).__name__}: {seen.strerror}" + (f" ({seen.filename})" if seen.filename else ""), storage
