@@ -40,7 +40,7 @@ def _count(model, opt, sched, data, autocast: bool) -> DispatchCounter:
 def _plain(cfg):
     """The same model, optimizer and data with nothing around the model: what the step should cost."""
     from course_lib.models import TokenTask, torch_gpt
-    from course_lib.strategies.checkpoint.resumable import ResumableBatches
+    from course_lib.checkpoint.resumable import ResumableBatches
     model = torch_gpt(cfg.model_config(), cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))

@@ -196,7 +196,7 @@ def check_checkpoint_fits(cfg) -> None:
     abstractly: no memory), before anything is loaded -- with or without ``run.json``. :class:`ConfigError`."""
     from flax import nnx
     from course_lib import models
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax
+    from course_lib.checkpoint import orbax as checkpoint_jax
     saved = checkpoint_jax.saved_shapes(cfg.ckpt_dir)
     if saved is None:
         return
@@ -214,12 +214,12 @@ def check_checkpoint_fits(cfg) -> None:
 
 def _take_folder(cfg, pid: int, nproc: int):
     """The checkpoint folder taken for this run before the model is built, through the library
-    (:func:`course_lib.strategies.checkpoint.jax.claim_folder`: process 0 takes it, every process learns the
+    (:func:`course_lib.checkpoint.orbax.claim_folder`: process 0 takes it, every process learns the
     answer); a refusal is :class:`ConfigError` on every process (one line from process 0). Returns the lock on
     process 0 (None elsewhere, or without --ckpt-dir). The Orbax manager is then made with ``lock=False``."""
     if not cfg.ckpt_dir:
         return None
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax, owner
+    from course_lib.checkpoint import orbax as checkpoint_jax, owner
     try:
         lock = checkpoint_jax.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
     except (owner.FolderBusy, OSError) as e:
@@ -238,7 +238,7 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     from tqdm.auto import tqdm
     from course_lib import models
     from course_lib.comm import jax_ledger
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax
+    from course_lib.checkpoint import orbax as checkpoint_jax
     from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.strategies.hsdp import jax as hsdp_jax
     from course_lib.maths.flops import gpt_flops_per_token

@@ -1,6 +1,6 @@
 """A training run whose whole state can be checkpointed: the course GPT, AdamW, a warm-up, a data position.
 
-What :class:`~course_lib.strategies.checkpoint.torch.AppState` saves and restores, built the same way in Lab 07,
+What :class:`~course_lib.checkpoint.dcp.AppState` saves and restores, built the same way in Lab 07,
 its checks and tests, and a training script: :func:`resumable_run` on every rank, then
 :func:`train_step` in a loop. The data position counts *global* batches, so it means the same at any
 world size. Importing this module imports neither torch.distributed nor JAX.
