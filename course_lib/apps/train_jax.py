@@ -196,13 +196,13 @@ def check_checkpoint_fits(cfg) -> None:
     abstractly: no memory), before anything is loaded -- with or without ``run.json``. :class:`ConfigError`."""
     from flax import nnx
     from course_lib import models
-    from course_lib.checkpoint import orbax as checkpoint_jax
-    saved = checkpoint_jax.saved_shapes(cfg.ckpt_dir)
+    from course_lib.checkpoint import orbax as cj
+    saved = cj.saved_shapes(cfg.ckpt_dir)
     if saved is None:
         return
     step, shapes = saved
     abstract = nnx.eval_shape(lambda: models.flax_gpt(cfg.model_config(), seed=cfg.seed))
-    want = checkpoint_jax.shapes_of({"model": nnx.state(abstract)})
+    want = cj.shapes_of({"model": nnx.state(abstract)})
     diff = [f"{k} saved {list(shapes[k]) if k in shapes else 'absent'} vs now {list(v)}" for k, v in want.items()
             if shapes.get(k) != v] + [f"{k} saved {list(v)} vs now absent" for k, v in shapes.items()
                                       if k.startswith("model.") and k not in want]
@@ -219,9 +219,9 @@ def _take_folder(cfg, pid: int, nproc: int):
     process 0 (None elsewhere, or without --ckpt-dir). The Orbax manager is then made with ``lock=False``."""
     if not cfg.ckpt_dir:
         return None
-    from course_lib.checkpoint import orbax as checkpoint_jax, owner
+    from course_lib.checkpoint import orbax as cj, owner
     try:
-        lock = checkpoint_jax.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
+        lock = cj.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
     except (owner.FolderBusy, OSError) as e:
         raise ConfigError(str(e)) from None
     if lock is not None and lock.stale:
@@ -238,7 +238,7 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     from tqdm.auto import tqdm
     from course_lib import models
     from course_lib.comm import jax_ledger
-    from course_lib.checkpoint import orbax as checkpoint_jax
+    from course_lib.checkpoint import orbax as cj
     from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.strategies.hsdp import jax as hsdp_jax
     from course_lib.maths.flops import gpt_flops_per_token
@@ -266,21 +266,21 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
 
     mngr, start = None, 0
     if cfg.ckpt_dir:
-        mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep, lock=False)   # main() holds the folder
+        mngr = cj.manager(cfg.ckpt_dir, keep=cfg.keep, lock=False)   # main() holds the folder
         latest = mngr.latest_step() if cfg.resume else None
         if cfg.resume and pid == 0:   # saves that never committed (a killed process): passed over, and said so
-            for name in checkpoint_jax.incomplete_steps(cfg.ckpt_dir):
+            for name in cj.incomplete_steps(cfg.ckpt_dir):
                 print(f"course_lib.train_jax: ignored {os.path.join(cfg.ckpt_dir, name)}: an unfinished save "
                       "(never committed)", file=sys.stderr, flush=True)
         if latest is not None:
-            target = checkpoint_jax.restore_target(checkpoint_jax.train_state(model, opt), mesh, rule)
+            target = cj.restore_target(cj.train_state(model, opt), mesh, rule)
             try:
-                state, meta = checkpoint_jax.restore(mngr, latest, target)
+                state, meta = cj.restore(mngr, latest, target)
             except Exception as e:  # noqa: BLE001 - a damaged step: one line naming it, not Orbax's tracebacks
                 raise ConfigError(f"cannot restore step {latest} from {cfg.ckpt_dir}: {type(e).__name__}: "
                                   f"{(str(e).strip().splitlines() or [''])[0][:300]}; move that step aside to resume "
                                   "from the one before, or point --ckpt-dir at a new directory") from None
-            checkpoint_jax.put_state(model, opt, state)
+            cj.put_state(model, opt, state)
             start = int(meta["data_step"])
         if pid == 0:
             write_run_record(cfg, "jax")
@@ -318,8 +318,8 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if mngr and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
             sync(model, opt, state)
-            checkpoint_jax.save(mngr, step, checkpoint_jax.train_state(model, opt),
-                                {"data_step": step, "batch": cfg.batch, "data_seed": cfg.data_seed})
+            cj.save(mngr, step, cj.train_state(model, opt),
+                    {"data_step": step, "batch": cfg.batch, "data_seed": cfg.data_seed})
         if stopping:
             break
         if cfg.throttle:
