@@ -168,16 +168,6 @@ H100_TT500W = GPU("H100-96GB-HBM2e-500W", 96 * GiB, 989e12, 2.4e12, 0.80, 350e12
 L4 = GPU("L4", 24 * 10**9, 121e12, 0.3e12, sms=58)
 A10 = GPU("A10", 24 * 10**9, 125e12, 0.6e12, sms=72)
 
-#: device-name fragment -> GPU, first match wins ("A100" before "A10": an A100's name contains both). Every
-#: H100 and H200 is charged the SXM part's peak.
-BY_NAME = (("H100", H100), ("H200", H200), ("A100", A100_80GB), ("L4", L4), ("A10", A10))
-
-
-def peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of the GPU a device name (``torch.cuda.get_device_name``, JAX's ``device_kind``)
-    names, e.g. ``"NVIDIA H100 80GB HBM3"`` -> 989e12; None for a CPU or a GPU not in :data:`BY_NAME` (no MFU)."""
-    return next((gpu.peak_flops for fragment, gpu in BY_NAME if fragment in (device_name or "")), None)
-
 #: [A100] [H100] [NCCL]: NVLink per GPU, one direction
 NVLINK_A100 = Link("NVLink 3 (A100)", 300e9, 2e-6, 0.78, 4 * 2**20)
 NVLINK_H100 = Link("NVLink 4 (H100)", 450e9, 2e-6, 0.80, 4 * 2**20)
@@ -188,3 +178,14 @@ IB_NDR = Link("InfiniBand 8 x NDR 400 Gb/s per node", 8 * 50e9, 5e-6, 0.92, 32 *
 ROCE_1600G = Link("RoCE 1600 Gb/s per node", 200e9, 8e-6, 0.85, 32 * 2**20)   #: [MOSAIC]
 ETH_100G = Link("Ethernet 100 Gb/s per node", 12.5e9, 10e-6, 0.85, 16 * 2**20)
 ETH_10G = Link("Ethernet 10 Gb/s per node", 1.25e9, 20e-6, 0.85, 4 * 2**20)
+
+
+#: device-name fragment -> GPU, first match wins ("A100" before "A10": an A100's name contains both). Every
+#: H100 and H200 is charged the SXM part's peak.
+BY_NAME = (("H100", H100), ("H200", H200), ("A100", A100_80GB), ("L4", L4), ("A10", A10))
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU a device name (``torch.cuda.get_device_name``, JAX's ``device_kind``)
+    names, e.g. ``"NVIDIA H100 80GB HBM3"`` -> 989e12; None for a CPU or a GPU not in :data:`BY_NAME` (no MFU)."""
+    return next((gpu.peak_flops for fragment, gpu in BY_NAME if fragment in (device_name or "")), None)
