@@ -59,6 +59,7 @@ from course_lib.maths import planner_host as host
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, step_cost
+from course_lib.maths.flops import model_flops_per_token
 from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, H200, IB_HDR,
                                          IB_NDR, NVLINK_A100, NVLINK_H100, PCIE4, ROCE_1600G, GiB, Link)
 
@@ -133,11 +134,10 @@ class ModelShape:
     params = property(lambda self: sum(math.prod(s) for u in self.units() for s in u))
 
     def model_flops_per_token(self, seq_len: int | None = None) -> float:
-        """``6·N + 12·L·d·s`` (PaLM appendix B): matmuls fwd + bwd, and attention's two ``s × s`` products.
-        ``N`` leaves out the input embedding, a lookup rather than a matmul."""
-        s = seq_len or self.seq_len
-        return 6 * (self.params - self.vocab_size * self.d_model * (not self.tied_embeddings)) \
-            + 12 * self.n_layers * self.d_model * s
+        """:func:`course_lib.maths.flops.model_flops_per_token`: ``6·N + 12·L·d·s`` with ``N`` every block's
+        linears and the head (the input embedding is a lookup; norms are not matmuls)."""
+        n = self.n_layers * sum(i * o for i, o in work.block_matmuls(self)) + self.vocab_size * self.d_model
+        return model_flops_per_token(n, self.n_layers, self.d_model, seq_len or self.seq_len)
 
     def activation_bytes_per_token_layer(self) -> int:
         """Bytes one layer saves for backward per token, bf16, flash attention: ``12d + 4·d_kv + 6·d_ff``."""
