@@ -13,8 +13,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
                time from α, β and FLOP/s), planner (real models on real clusters), planner_hw (GPU and
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_host (the host's
-               time: dispatches per step x seconds per dispatch), planner_dims (pipeline, context and
-               expert parallel: bubble, p2p, ring, all-to-all), planner_runs (published runs: calibration and
+               time: dispatches per step x seconds per dispatch), planner_dims (pipeline and context
+               parallel: bubble, p2p, ring; a step composed with FSDP x TP), planner_moe (expert parallel:
+               MoE parameters, FLOPs, all-to-all bytes), planner_runs (published runs: calibration and
                validation sets)                                     <- runtime, comm
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
                rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on

@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from course_lib.maths import planner as pl, planner_dims as pd, planner_runs as runs, planner_work as work
+from course_lib.maths import planner as pl, planner_dims as pd, planner_moe as pm, planner_runs as runs
+from course_lib.maths import planner_work as work
 from course_lib.maths.planner_hw import H100_TT500W, IB_NDR, NVLINK_H100, GiB
 
 MIXTRAL = pl.ModelShape("Mixtral-8x7B", 32, 4096, 32, 8, 14336, 32000, 32768)   # dense twin of Mixtral 8x7B
-MIXTRAL_MOE = pd.MoE(n_experts=8, top_k=2, d_ff_expert=14336, moe_layers=32)
+MIXTRAL_MOE = pm.MoE(n_experts=8, top_k=2, d_ff_expert=14336, moe_layers=32)
 TT = lambda nodes: pl.Cluster(H100_TT500W, 8, nodes, NVLINK_H100, IB_NDR)  # noqa: E731
 
 
@@ -111,23 +112,49 @@ def test_pipeline_step_and_memory_by_schedule():
 def test_moe_parameters_match_mixtral():
     """Jiang et al., "Mixtral of Experts" (2024), sec. 2: 47B parameters, 13B active per token (Mistral AI's
     announcement: 46.7B and 12.9B)."""
-    dense, experts = pd.moe_params(MIXTRAL, MIXTRAL_MOE)
+    dense, experts = pm.moe_params(MIXTRAL, MIXTRAL_MOE)
     assert (dense + experts) / 1e9 == pytest.approx(46.7, abs=0.05)
-    assert pd.moe_active_params(MIXTRAL, MIXTRAL_MOE) / 1e9 == pytest.approx(12.9, abs=0.05)
+    assert pm.moe_active_params(MIXTRAL, MIXTRAL_MOE) / 1e9 == pytest.approx(12.9, abs=0.05)
     s = 4096
-    assert pd.moe_flops_per_token(MIXTRAL, MIXTRAL_MOE, s) == pytest.approx(
-        6 * (pd.moe_active_params(MIXTRAL, MIXTRAL_MOE) - 32000 * 4096) + 12 * 32 * 4096 * s, rel=1e-12)
+    assert pm.moe_flops_per_token(MIXTRAL, MIXTRAL_MOE, s) == pytest.approx(
+        6 * (pm.moe_active_params(MIXTRAL, MIXTRAL_MOE) - 32000 * 4096) + 12 * 32 * 4096 * s, rel=1e-12)
 
 
 def test_all_to_all_and_expert_memory():
-    moe = pd.MoE(n_experts=12, top_k=3, d_ff_expert=1000, moe_layers=5, shared_experts=1)
-    assert pd.all_to_all_bytes_per_layer(1001, moe, 257, 6) == 4 * 1001 * 3 * 257 * 2 * 5 / 6
-    assert pd.all_to_all_bytes_per_layer(1001, moe, 257, 1) == 0
-    _, experts = pd.moe_params(MIXTRAL, moe)
+    moe = pm.MoE(n_experts=12, top_k=3, d_ff_expert=1000, moe_layers=5, shared_experts=1)
+    assert pm.all_to_all_bytes_per_layer(1001, moe, 257, 6) == 4 * 1001 * 3 * 257 * 2 * 5 / 6
+    assert pm.all_to_all_bytes_per_layer(1001, moe, 257, 1) == 0
+    _, experts = pm.moe_params(MIXTRAL, moe)
     assert experts == 5 * 12 * 3 * 4096 * 1000
-    assert pd.expert_state_bytes(MIXTRAL, moe, 4, shards=3) == pytest.approx(experts / 4 / 3 * 16)
+    assert pm.expert_state_bytes(MIXTRAL, moe, 4, shards=3) == pytest.approx(experts / 4 / 3 * 16)
     with pytest.raises(ValueError, match=r"ep\(5\) must divide n_experts\(12\)"):
-        pd.expert_state_bytes(MIXTRAL, moe, 5)
+        pm.expert_state_bytes(MIXTRAL, moe, 5)
+
+
+def test_the_active_shape_runs_the_active_parameters():
+    act = pm.active_shape(MIXTRAL, MIXTRAL_MOE)
+    assert act.d_ff == 2 * 14336
+    assert act.params + 32 * 4096 * 8 == pm.moe_active_params(MIXTRAL, MIXTRAL_MOE)   # + the routers
+    half = pm.MoE(n_experts=16, top_k=4, d_ff_expert=1000, moe_layers=8, shared_experts=1)   # every 4th layer MoE
+    assert pm.active_shape(MIXTRAL, half).d_ff == round((24 * 14336 + 8 * 5 * 1000) / 32)
+
+
+def test_expert_parallel_plan():
+    """Mixtral 8x7B on 16 H100: the all-to-alls are the only difference ep makes to the step; state is the same."""
+    c = pl.Cluster(pl.H100, 8, 2, NVLINK_H100, IB_NDR)
+    kw = dict(seq_len=4096, checkpointing="full")
+    one, eight = (pd.plan(MIXTRAL, c, 4, pd.Dims(ep=ep, moe=MIXTRAL_MOE), **kw) for ep in (1, 8))
+    tok = 4 * 4096
+    assert eight.a2a_bytes == pytest.approx(32 * 4 * tok * 2 * 4096 * 2 * 7 / 8 * 6 / 4, rel=1e-12)   # 6 with AC
+    assert one.a2a_bytes == 0 and one.parts["expert all-to-all"] == 0
+    assert eight.step_s - one.step_s == pytest.approx(eight.parts["expert all-to-all"], rel=1e-9)
+    assert eight.stage.state == one.stage.state
+    gathered = 2 * 2 * (8 / 8 - 8 / 1) * 3 * 4096 * 14336          # two layers: 1 expert a rank instead of 8
+    assert eight.total - one.total == pytest.approx(gathered, rel=1e-9)
+    assert eight.mfu == pytest.approx(eight.tokens_per_s_per_gpu * pm.moe_flops_per_token(MIXTRAL, MIXTRAL_MOE, 4096)
+                                      / pl.H100.peak_flops, rel=1e-12)
+    state = pm.expert_state_bytes(MIXTRAL, MIXTRAL_MOE, 8, shards=2)   # E/ep experts, FSDP over the other 2
+    assert one.total > state > 0
 
 
 # -- bad configurations ---------------------------------------------------------------------------------------
@@ -149,15 +176,17 @@ def test_bad_dims_are_refused_by_name(kw, match):
 
 def test_bad_moe_and_plans_are_refused_by_name():
     with pytest.raises(ValueError, match=r"top_k\(9\) must be <= n_experts\(8\)"):
-        pd.MoE(8, 9, 100, 2)
+        pm.MoE(8, 9, 100, 2)
     with pytest.raises(ValueError, match=r"world\(8\) must divide by tp\(1\) x cp\(3\) x pp\(1\)"):
         pd.plan(pl.LLAMA3_8B, TT(1), 1, pd.Dims(cp=3), seq_len=6144)
     with pytest.raises(ValueError, match=r"batch\(6\) by micro_batches\(4\)"):
         pd.plan(pl.LLAMA3_8B, TT(1), 6, pd.Dims(pp=2, micro_batches=4))
     with pytest.raises(ValueError, match=r"seq_len\(8190\) by 2 x cp"):
         pd.plan(pl.LLAMA3_8B, TT(1), 1, pd.Dims(cp=2), seq_len=8190)
-    with pytest.raises(ValueError, match=r"ep=2: the step plan covers pp and cp"):
-        pd.plan(MIXTRAL, TT(1), 1, pd.Dims(ep=2, moe=MIXTRAL_MOE))
+    with pytest.raises(ValueError, match=r"ep\(4\) must divide dp\(2\) x cp\(1\)"):
+        pd.plan(MIXTRAL, TT(1), 1, pd.Dims(ep=4, moe=MIXTRAL_MOE), tp=4)
+    with pytest.raises(ValueError, match=r"moe_layers\(33\) must be <= n_layers\(32\)"):
+        pm.active_shape(MIXTRAL, pm.MoE(8, 2, 14336, 33))
     with pytest.raises(ValueError, match=r"must fill whole nodes of 8"):
         pd.plan(pl.LLAMA3_70B, TT(3), 4, pd.Dims(pp=2, micro_batches=4), tp=4)
 

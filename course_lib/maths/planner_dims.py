@@ -29,10 +29,12 @@ exposed. PyTorch merges each step's partial output into an fp32 running output (
 ``convert_to_f32=True``): ``MERGE_BYTES`` per element forward and ``GRAD_MERGE_BYTES`` per gradient element
 backward, memory-bound.
 
-**Expert parallel** (Lepikhin et al., "GShard"; Fedus et al., "Switch Transformers"): ``E`` experts per MoE layer,
-``top_k`` of them per token, spread over ``ep`` ranks. Dispatch and combine are two all-to-alls forward and two
-backward, each moving ``tokens·top_k·d·bytes·(ep-1)/ep`` per rank; the experts' parameters divide by ``ep``; FLOPs
-follow the active parameters (``6·N_active`` per token), not the total.
+**Expert parallel** (the terms: :mod:`course_lib.maths.planner_moe`): a MoE model's compute and activations are
+priced on its active shape; ``ep`` ranks, drawn from the data and context-parallel ranks as torchtitan draws them,
+split each MoE layer's experts; dispatch and combine all-to-alls (``6`` a layer under full AC, else ``4``) sit on
+the critical path (torchtitan's default dispatcher does not overlap them); every expert's state is sharded over
+the whole stage either way (``E/ep`` experts, FSDP over the other ``dp·cp/ep``), and a rank gathers ``E/ep``
+experts a layer where the active shape gathers ``top_k``. FSDP's traffic is priced on the active shape.
 
 Validated against published runs that use them: :data:`course_lib.maths.planner_runs.DIMS_VALIDATION`, printed
 by :func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP, zero-bubble schedules, DualPipe.
@@ -44,11 +46,12 @@ import math
 from dataclasses import dataclass, field
 
 from course_lib.maths import planner as pl
+from course_lib.maths import planner_moe as moe_
 from course_lib.maths import planner_work as work
+from course_lib.maths.planner_moe import MoE
 
 __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_rank_layers", "in_flight",
-           "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "moe_params", "moe_active_params",
-           "moe_flops_per_token", "all_to_all_bytes_per_layer", "expert_state_bytes", "plan", "MERGE_BYTES",
+           "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "plan", "MERGE_BYTES",
            "GRAD_MERGE_BYTES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -64,23 +67,6 @@ def _ints(**kw):
     bad = {k: v for k, v in kw.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise ValueError(f"{bad} must be ints >= 1")
-
-
-@dataclass(frozen=True)
-class MoE:
-    """A mixture-of-experts MLP in ``moe_layers`` of the model's layers (the rest keep the dense MLP)."""
-
-    n_experts: int        #: routed experts per MoE layer, E
-    top_k: int            #: experts each token is sent to
-    d_ff_expert: int      #: an expert's hidden width (gated: 3 matrices of d x d_ff_expert)
-    moe_layers: int       #: how many layers are MoE
-    shared_experts: int = 0   #: experts every token also runs (DeepSeek's shared expert), kept on every rank
-
-    def __post_init__(self):
-        _ints(n_experts=self.n_experts, top_k=self.top_k, d_ff_expert=self.d_ff_expert, moe_layers=self.moe_layers)
-        if self.top_k > self.n_experts or self.shared_experts < 0:
-            raise ValueError(f"top_k({self.top_k}) must be <= n_experts({self.n_experts}) and shared_experts"
-                             f"({self.shared_experts}) >= 0; e.g. MoE(n_experts=8, top_k=2, ...)")
 
 
 @dataclass(frozen=True)
@@ -161,43 +147,6 @@ def ring_exposed_s(cp: int, step_bytes: float, bandwidth: float, block_s: float)
     return (cp - 1) * max(0.0, step_bytes / bandwidth - block_s) if cp > 1 else 0.0
 
 
-def moe_params(model, moe: MoE) -> tuple[float, float]:
-    """``(dense, expert)`` parameters: the model with its MoE layers' dense MLP swapped for ``E`` routed and
-    the shared experts (gated, 3 matrices each) and a router of ``d x E``."""
-    d = model.d_model
-    mlp = (3 if model.gated_mlp else 2) * d * model.d_ff
-    expert = 3 * d * moe.d_ff_expert
-    dense = model.params - moe.moe_layers * mlp + moe.moe_layers * (moe.shared_experts * expert + d * moe.n_experts)
-    return float(dense), float(moe.moe_layers * moe.n_experts * expert)
-
-
-def moe_active_params(model, moe: MoE) -> float:
-    """Parameters a token runs through: the dense part and ``top_k`` of each MoE layer's experts."""
-    dense, _ = moe_params(model, moe)
-    return dense + moe.moe_layers * moe.top_k * 3 * model.d_model * moe.d_ff_expert
-
-
-def moe_flops_per_token(model, moe: MoE, seq_len: int | None = None) -> float:
-    """``6·N_active + 12·L·d·s`` (PaLM's count, on the active parameters, the input embedding left out)."""
-    s = seq_len or model.seq_len
-    emb = model.vocab_size * model.d_model * (not model.tied_embeddings)
-    return 6 * (moe_active_params(model, moe) - emb) + 12 * model.n_layers * model.d_model * s
-
-
-def all_to_all_bytes_per_layer(tokens: int, moe: MoE, d_model: int, ep: int, bytes_per: int = 2) -> float:
-    """Bytes one rank sends per MoE layer and step: dispatch + combine forward, their gradients backward, each
-    ``tokens·top_k·d·bytes·(ep-1)/ep`` (the share of its routed tokens bound for other ranks, routing uniform)."""
-    return 4 * tokens * moe.top_k * d_model * bytes_per * (ep - 1) / ep
-
-
-def expert_state_bytes(model, moe: MoE, ep: int, shards: int = 1, bytes_per_param: float = 16) -> float:
-    """Model-state bytes per GPU of the routed experts: ``E/ep`` experts per rank, each further sharded
-    ``shards`` ways (FSDP over the rest), at ``bytes_per_param`` (16: bf16 + fp32 grads and Adam, the ZeRO K)."""
-    if moe.n_experts % ep:
-        raise ValueError(f"ep({ep}) must divide n_experts({moe.n_experts})")
-    return moe_params(model, moe)[1] / ep / shards * bytes_per_param
-
-
 @dataclass(frozen=True)
 class DimsPlan:
     """One step with PP / CP on top of FSDP x TP: per GPU, seconds and bytes."""
@@ -214,6 +163,7 @@ class DimsPlan:
     ring_bytes: float           #: per GPU and step
     ring_exposed_s: float
     total_bytes: float          #: memory per GPU at the first stage's peak
+    a2a_bytes: float = 0.0      #: expert parallel's all-to-all bytes per GPU and step
     parts: dict = field(default_factory=dict)   #: what the step is made of, seconds
 
     total = property(lambda self: self.total_bytes)
@@ -233,9 +183,6 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
          tp: int = 1, checkpointing: str = "none", **kw) -> DimsPlan:
     """One step of ``batch`` sequences per data-parallel rank, split into ``dims.micro_batches``, on a world of
     ``dp x cp x pp x tp`` GPUs. ``kw`` goes to :func:`course_lib.maths.planner.plan` (compile, float8, ...)."""
-    if dims.ep > 1:
-        raise ValueError(f"ep={dims.ep}: the step plan covers pp and cp; price expert parallel with "
-                         "all_to_all_bytes_per_layer / expert_state_bytes / moe_flops_per_token")
     s = seq_len or model.seq_len
     p, cp, m = dims.pp, dims.cp, dims.micro_batches
     if cluster.world % (tp * cp * p) or batch % m or s % (2 * cp):
@@ -243,8 +190,12 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
                          f"micro_batches({m}), seq_len({s}) by 2 x cp (load-balanced halves)")
     dp = cluster.world // (tp * cp * p)
     group = dp * cp * tp                                   # the GPUs of one stage (torchtitan: pp outermost)
+    moe, ep = dims.moe, dims.ep
+    if moe is not None and (dp * cp) % ep:
+        raise ValueError(f"ep({ep}) must divide dp({dp}) x cp({cp}): expert-parallel ranks are drawn from the data "
+                         "and context-parallel ranks (torchtitan)")
     layers = busiest_rank_layers(model.n_layers, dims)
-    stage_model = dataclasses.replace(model, n_layers=layers)
+    stage_model = dataclasses.replace(moe_.active_shape(model, moe) if moe else model, n_layers=layers)
     stage = pl.plan(stage_model, _stage_cluster(cluster, group), strategy, batch // m,
                     seq_len=s // cp, tp=tp, checkpointing=checkpointing, **kw)
     gpu, stretch = cluster.gpu, 1 / (1 - pl.IDLE_FRACTION)
@@ -269,7 +220,20 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
         merged = (cp - 1) * tok / tp * layers
         merge_s = stretch * merged * (fwd_passes * MERGE_BYTES * model.d_model
                                       + GRAD_MERGE_BYTES * (model.d_model + 2 * model.d_kv)) / gpu.stream_bytes_per_s
-    micro += extra_attn + merge_s + ring_exp
+    # -- expert parallel: dispatch + combine on the critical path -------------------------------------------
+    a2a = a2a_s = extra_experts = 0.0
+    if moe is not None:
+        moe_layers = moe.moe_layers * layers / model.n_layers          # this stage's share of the MoE layers
+        a2a = moe_layers * moe_.all_to_all_bytes_per_layer(tok / tp, moe, model.d_model, ep) * (fwd_passes + 1) / 2
+        if ep > 1:
+            across = ep * tp > cluster.gpus_per_node
+            link = cluster.inter if across else cluster.intra
+            msg = a2a / moe_layers / (2 * fwd_passes + 2)
+            bw = link.bandwidth_bytes_per_s / (cluster.gpus_per_node if across else 1) * link.bus_fraction_at(msg)
+            a2a_s = a2a / bw + moe_layers * (2 * fwd_passes + 2) * (ep - 1) * link.hop_latency_s
+        # a rank gathers E/ep experts of a layer, the active shape top_k (negative when E/ep < top_k)
+        extra_experts = (moe.n_experts / ep - moe.top_k) * 3 * model.d_model * moe.d_ff_expert
+    micro += extra_attn + merge_s + ring_exp + a2a_s
     # -- the pipeline ------------------------------------------------------------------------------------
     bubble = bubble_fraction(dims)
     p2p = p2p_bytes_per_step(dims, b, s, model.d_model, shards=tp * cp) if p > 1 else 0.0
@@ -289,12 +253,20 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
     # under PP torchtitan keeps the stage gathered (bf16) all step, and FSDP2, told not to reduce until the last
     # micro-batch, accumulates its unsharded gradient in the reduce dtype (FSDPParam.unsharded_accumulated_grad)
     held = (2 + kw.get("reduce_bytes", 4)) * stage_model.params / tp if p > 1 else stage.buffers
-    total = stage.total - stage.buffers + held + extra_flight
+    idle_state = 0.0
+    if moe is not None:   # the experts the active shape leaves out: their state, and what a rank gathers of them
+        stage_moe = moe.moe_layers * layers / model.n_layers
+        per_param = stage.state * group / stage_model.params              # the plan's state bytes per parameter
+        idle_state = per_param * (moe.n_experts - moe.top_k) * 3 * model.d_model * moe.d_ff_expert * stage_moe / group
+        # PP: the stage's experts held gathered with their gradient; else two layers' gathered (bf16) at a time
+        held += extra_experts / tp * ((2 + kw.get("reduce_bytes", 4)) * stage_moe if p > 1 else 2 * 2)
+    total = stage.total - stage.buffers + held + extra_flight + idle_state
     parts = {"compute": m * (stage.compute_s - stage.optimizer_s), "context-parallel attention": m * extra_attn,
              "ring merge + exposed ring": m * (merge_s + ring_exp), "tensor parallel": m * tp_s,
              "bubble": pipeline_s - m * micro, "fsdp exposed": fsdp_exposed, "optimizer": stage.optimizer_s,
-             "p2p exposed": p2p_exp}
+             "p2p exposed": p2p_exp, "expert all-to-all": m * a2a_s}
+    mf = moe_.moe_flops_per_token(model, moe, s) if moe else model.model_flops_per_token(s)
     return DimsPlan(stage=stage, dims=dims, step_s=step, tokens_per_step=batch * s / (tp * cp * p),
-                    model_flops_per_token=model.model_flops_per_token(s), peak_flops=gpu.peak_flops, bubble=bubble,
+                    model_flops_per_token=mf, peak_flops=gpu.peak_flops, bubble=bubble,
                     p2p_bytes=p2p, p2p_exposed_s=p2p_exp, ring_bytes=m * ring_bytes, ring_exposed_s=m * ring_exp,
-                    total_bytes=total, parts=parts)
+                    total_bytes=total, a2a_bytes=m * a2a, parts=parts)
