@@ -37,7 +37,8 @@ the whole stage either way (``E/ep`` experts, FSDP over the other ``dp·cp/ep``)
 experts a layer where the active shape gathers ``top_k``. FSDP's traffic is priced on the active shape.
 
 Validated against published runs that use them: :data:`course_lib.maths.planner_runs.DIMS_VALIDATION`, printed
-by :func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP, zero-bubble schedules, DualPipe.
+by :func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP, zero-bubble schedules, DualPipe, the
+host (:mod:`course_lib.maths.planner_host`: at these sizes a step is tens of seconds of device time).
 """
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ class DimsPlan:
     p2p_exposed_s: float
     ring_bytes: float           #: per GPU and step
     ring_exposed_s: float
-    total_bytes: float          #: memory per GPU at the first stage's peak
+    total_bytes: float          #: memory per GPU: the busiest rank's layers, the first stage's micro-batches in flight
     a2a_bytes: float = 0.0      #: expert parallel's all-to-all bytes per GPU and step
     parts: dict = field(default_factory=dict)   #: what the step is made of, seconds
 
