@@ -168,6 +168,7 @@ def test_expert_parallel_plan():
      r"micro_batches\(6\) must be a multiple of pp\(4\)"),
     ({"ep": 3, "moe": MIXTRAL_MOE}, r"ep=3 needs a MoE whose n_experts divides"),
     ({"ep": 2}, r"ep=2 needs a MoE"),
+    ({"moe": {"n_experts": 8}}, r"must be a planner_moe.MoE"),
 ])
 def test_bad_dims_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):

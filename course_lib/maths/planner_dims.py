@@ -80,9 +80,12 @@ class Dims:
     virtual_stages: int = 1      #: stages per rank, v (interleaved only)
     cp: int = 1                  #: context-parallel ranks sharing each sequence
     ep: int = 1                  #: expert-parallel ranks sharing each MoE layer's experts
-    moe: MoE | None = None
+    moe: MoE | None = None       #: the model's mixture-of-experts layers (:class:`~course_lib.maths.planner_moe.MoE`)
 
     def __post_init__(self):
+        if self.moe is not None and not isinstance(self.moe, MoE):
+            raise ValueError(f"moe={self.moe!r} must be a planner_moe.MoE, e.g. MoE(n_experts=8, top_k=2, "
+                             "d_ff_expert=14336, moe_layers=32)")
         _ints(pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages, cp=self.cp,
               ep=self.ep)
         if self.schedule not in SCHEDULES:
@@ -249,7 +252,7 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
     pipeline_s = m * micro / (1 - bubble)
     step = pipeline_s + fsdp_exposed + stage.optimizer_s + p2p_exp
     # -- memory at the first stage's peak -------------------------------------------------------------------
-    layer_act = work.saved_bytes_per_token(model, checkpointing) * tok / tp
+    layer_act = work.saved_bytes_per_token(stage_model, checkpointing) * tok / tp   # MoE: the active shape
     extra_flight = (in_flight(dims) - 1) * layers * layer_act
     # under PP torchtitan keeps the stage gathered (bf16) all step, and FSDP2, told not to reduce until the last
     # micro-batch, accumulates its unsharded gradient in the reduce dtype (FSDPParam.unsharded_accumulated_grad)
