@@ -56,12 +56,15 @@ __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_r
            "GRAD_MERGE_BYTES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-#: ring attention's fp32 merge per ring step and output element: read the step's bf16 output (2), the running
-#: fp32 output twice (8), write it twice (8) across its elementwise kernels, + the bf16 cast back (6): PyTorch
-#: ``torch/distributed/tensor/experimental/_context_parallel/_attention.py``, ``_SDPAMerger.step``
-MERGE_BYTES = 24
-#: backward: each step's dq, dk, dv (bf16, read 2) added into fp32 accumulators (read 4, write 4)
-GRAD_MERGE_BYTES = 10
+#: ring attention's fp32 merge per ring step, per element of the rank's output (PyTorch
+#: ``torch/distributed/tensor/experimental/_attention.py`` at the end of 2024, ``_SDPAMerger._merge_one``): the
+#: step's output cast to fp32 (r2 w4), ``out - block_out`` (r8 w4), the scaling (r4 w4), the update (r8 w4):
+#: 38 bytes a merged element; half the steps merge half the rows and copy the whole output back with ``torch.cat``
+#: (``_partial_update``: r4 w4), 19 + 8 = 27. Their mean, rounded:
+MERGE_BYTES = 32
+#: backward, per gradient element and step: dq, dk, dv (bf16, read 2) added into fp32 accumulators (r4 w4), and the
+#: fp32 dK/dV concatenated to be sent on (r4 w4 for two of the three): 10 + 8·2/3, rounded
+GRAD_MERGE_BYTES = 15
 
 
 def _ints(**kw):
