@@ -108,6 +108,18 @@ def test_pipeline_step_and_memory_by_schedule():
                                                - f.parts["p2p exposed"]) * 3 / 12, rel=1e-9)
 
 
+def test_pipeline_memory_holds_a_gathered_stage_only_when_parameters_are_sharded():
+    """FSDP under PP keeps the stage gathered with an fp32 gradient (6 B a parameter); ZeRO-1 already holds both."""
+    m, kw = pl.LLAMA3_8B, dict(seq_len=4096, checkpointing="full")
+    for strategy in ("fsdp", "zero1"):
+        d = pd.Dims(pp=2, micro_batches=6)
+        r = pd.plan(m, TT(2), 6, d, strategy=strategy, **kw)
+        stage = dataclasses.replace(m, n_layers=16)
+        flight = (2 - 1) * 16 * work.saved_bytes_per_token(m, "full") * 4096
+        held = 6 * stage.params if strategy == "fsdp" else r.stage.buffers
+        assert r.total == pytest.approx(r.stage.total - r.stage.buffers + held + flight, rel=1e-12)
+
+
 # -- expert parallel ------------------------------------------------------------------------------------------
 def test_moe_parameters_match_mixtral():
     """Jiang et al., "Mixtral of Experts" (2024), sec. 2: 47B parameters, 13B active per token (Mistral AI's

@@ -46,9 +46,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from course_lib.maths import memory
 from course_lib.maths import planner as pl
 from course_lib.maths import planner_moe as moe_
 from course_lib.maths import planner_work as work
+from course_lib.maths import strategy as strategies
 from course_lib.maths.planner_moe import MoE
 
 __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_rank_layers", "in_flight",
@@ -257,16 +259,20 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
     # -- memory at the first stage's peak -------------------------------------------------------------------
     layer_act = work.saved_bytes_per_token(stage_model, checkpointing) * tok / tp   # MoE: the active shape
     extra_flight = (in_flight(dims) - 1) * layers * layer_act
-    # under PP torchtitan keeps the stage gathered (bf16) all step, and FSDP2, told not to reduce until the last
+    # under PP torchtitan keeps an FSDP stage gathered (bf16) all step, and FSDP2, told not to reduce until the last
     # micro-batch, accumulates its unsharded gradient in the reduce dtype (FSDPParam.unsharded_accumulated_grad)
-    held = (2 + kw.get("reduce_bytes", 4)) * stage_model.params / tp if p > 1 else stage.buffers
+    sharded = strategies.get(strategy).params                # FSDP / HSDP: parameters sharded between uses
+    held = (2 + kw.get("reduce_bytes", 4)) * stage_model.params / tp if p > 1 and sharded else stage.buffers
     idle_state = 0.0
     if moe is not None:   # the experts the active shape leaves out: their state, and what a rank gathers of them
         stage_moe = moe.moe_layers * layers / model.n_layers
-        per_param = stage.state * group / stage_model.params              # the plan's state bytes per parameter
-        idle_state = per_param * (moe.n_experts - moe.top_k) * 3 * model.d_model * moe.d_ff_expert * stage_moe / group
-        # PP: the stage's experts held gathered with their gradient; else two layers' gathered (bf16) at a time
-        held += extra_experts / tp * ((2 + kw.get("reduce_bytes", 4)) * stage_moe if p > 1 else 2 * 2)
+        expert = 3 * model.d_model * moe.d_ff_expert * stage_moe / tp   # one expert of every MoE layer of the stage
+        state = lambda experts, ranks: memory.state_bytes(strategy, round(experts * expert), ranks,  # noqa: E731
+                                                          precision="mixed").total
+        # E/ep experts a rank, the strategy sharding them over the other dp·cp/ep; the plan counted top_k over dp·cp
+        idle_state = state(moe.n_experts // ep, dp * cp // ep) - state(moe.top_k, dp * cp)
+        if sharded:   # PP: the stage's experts held gathered with their gradient; else two layers (bf16) at a time
+            held += extra_experts / tp * ((2 + kw.get("reduce_bytes", 4)) * stage_moe if p > 1 else 2 * 2)
     total = stage.total - stage.buffers + held + extra_flight + idle_state
     parts = {"compute": m * (stage.compute_s - stage.optimizer_s), "context-parallel attention": m * extra_attn,
              "ring merge + exposed ring": m * (merge_s + ring_exp), "tensor parallel": m * tp_s,
