@@ -4,6 +4,7 @@ bad configurations refused by name, and the published runs that use them (run wi
     PYTHONPATH=. python -m pytest tests/test_planner_dims.py -q -s -p no:xdist
 """
 import dataclasses
+import doctest
 
 import pytest
 
@@ -231,6 +232,7 @@ def test_published_pipeline_and_context_parallel_runs(capsys):
 
 
 def test_dims_rows_are_plain_and_cite_their_table():
+    assert doctest.testmod(runs).failed == 0
     rows = runs.dims_rows()
     assert len(rows) == len(runs.DIMS_VALIDATION)
     for r in rows:
