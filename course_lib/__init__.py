@@ -15,9 +15,11 @@ module lives::
                time from α, β and FLOP/s), flops (FLOPs per token: MFU's one numerator), schedule (the LR
                warm-up), planner (real models on real clusters), planner_hw (GPU and link rates, cited: the one
                table of GPU peaks), planner_work (FLOPs and bytes per token and op), planner_host (the host's
-               time: dispatches per step x seconds per dispatch), planner_runs (published
-               runs: calibration and validation sets), planner_course_runs (the capstone measured on a
-               lent H200: the planner judged by the course's own GPU runs)
+               time: dispatches per step x seconds per dispatch), planner_dims (pipeline and context
+               parallel: bubble, p2p, ring; a step composed with FSDP x TP), planner_moe (expert parallel:
+               MoE parameters, FLOPs, all-to-all bytes), planner_runs (published runs: calibration and
+               validation sets), planner_course_runs (the capstone measured on a lent H200: the planner
+               judged by the course's own GPU runs)
   launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
                rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
                every rank), cell_output (a %%ranks cell's output: live, then grouped), kernel_exit (a kernel

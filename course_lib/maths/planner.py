@@ -220,6 +220,7 @@ class Plan:
     host_serial_s: float = 0.0       #: host work the device waits for (a batch built in the step, a sync)
     dispatches: int = 0              #: eager operator dispatches per step (planner_host)
     kernels: int = 0                 #: of them, those that launch a kernel, + compiled launches
+    optimizer_s: float = 0.0         #: the optimizer's part of ``compute_s`` (once per step, not per micro-batch)
 
     state = property(lambda self: self.params + self.grads + self.optimizer)
     total = property(lambda self: self.state + self.buffers + self.activations)
@@ -433,7 +434,8 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
                 exposed_comm_s=parts["exposed comm"], model_flops_per_token=mf, hardware_flops_per_token=hw,
                 peak_flops=gpu.peak_flops, comm_by_op=by_op, parts=parts, tp=tp, grad_accum=grad_accum,
                 compile=compile, float8=float8, host_s=hw_.seconds if compute_efficiency is None else 0.0,
-                host_serial_s=host_serial_s, dispatches=hw_.dispatches, kernels=hw_.kernels + hw_.launches)
+                host_serial_s=host_serial_s, dispatches=hw_.dispatches, kernels=hw_.kernels + hw_.launches,
+                optimizer_s=opt_s)
 
 
 #: Meta, "The Llama 3 Herd of Models" (2024), table 3; sizes from the released config.json files.
