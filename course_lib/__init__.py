@@ -38,7 +38,8 @@ module lives::
   checks/      core (✅ ⏳ ❌, hints), compare (tolerances, likely mistakes), predict, registry (each exercise
                declared once), judge (each check as a run half and a judge half), plain (the plain data between
                them), fsdp_harness (Lab 03: the learner's class trained on ranks; DDP's numbers in the judge),
-               lab00 ... labNN, lab06_tp (Lab 06's PyTorch tensor-parallel exercise), lab07_judge, lab07_orbax,
+               lab00 ... labNN, lab04_grads (Lab 04's gradient accumulation and clipping exercise), lab06_tp (Lab 06's
+               PyTorch tensor-parallel exercise), lab07_judge, lab07_orbax,
                lab07_crash (Lab 07's judge halves, its Orbax exercise, a rank's crash as plain data)
   widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
   authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
