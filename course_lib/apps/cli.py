@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pattern", default="[0-9][0-9]_*.ipynb", help="which solutions (default: all)")
     s.add_argument("--solutions", type=Path, default=root / "solutions")
     s.add_argument("--labs", type=Path, default=root / "labs")
+    s.add_argument("--docs", type=Path, default=root / "docs", help="the docs pages, one per NAME.md (default docs/)")
+    s.add_argument("--repo", default=None,
+                   help="the address `git clone` takes, named in the Start block (default: git's remote 'origin')")
     s.set_defaults(func=_imported_when_run("site"))
     return p
 
