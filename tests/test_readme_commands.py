@@ -1,6 +1,6 @@
 """Every command a user is told to type is run by some test.
 
-``documented()`` reads README.md and the markdown of solutions/*.ipynb and collects each ``make TARGET`` (a
+``documented()`` reads README.md, the pages of docs/*.md and the markdown of solutions/*.ipynb and collects each ``make TARGET`` (a
 real Makefile target) and each ``python -m course_lib ...`` verb or script (``torchrun ... -m course_lib.X``
 counts as ``python -m course_lib.X``; ``bench WHAT`` means every benchmark). :data:`RUNS` says which test
 runs each one; ``test_every_documented_command_is_run_by_a_named_test`` fails when the docs name a command
@@ -85,6 +85,8 @@ RUNS = {
 # -- what the docs tell a user to type ------------------------------------------------------------------
 def _doc_texts():
     yield "README.md", (ROOT / "README.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):              # the README's pages: instructors, clusters, ...
+        yield f"docs/{page.name}", page.read_text()
     for nb in sorted((ROOT / "solutions").glob("*.ipynb")):
         for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
             if cell["cell_type"] == "markdown":
@@ -120,8 +122,8 @@ def documented() -> dict[str, str]:
             named = words[1:] and words[1] in benches
             for b in ([words[1]] if named else benches):   # `bench` / `bench WHAT`: every benchmark
                 found.setdefault(f"python -m course_lib bench {b}", where)
-    for b in benches:   # README: "`bench WHAT` ... run course_lib/bench/WHAT.py"
-        found.setdefault(f"python -m course_lib bench {b}", "README.md (bench WHAT)")
+    for b in benches:   # docs/instructors.md: "`bench WHAT` ... run course_lib/bench/WHAT.py"
+        found.setdefault(f"python -m course_lib bench {b}", "docs/instructors.md (bench WHAT)")
     return found
 
 
@@ -143,6 +145,11 @@ def _test_source(test_id: str) -> str | None:
 
 def test_the_docs_are_read_as_a_user_would():
     docs = documented()
+    assert sorted((ROOT / "docs").glob("*.md")), "docs/*.md: the README's pages are missing"
+    # a command named only on a docs page is found there (the README names none of these)
+    readme = (ROOT / "README.md").read_text()
+    for cmd in ("python -m course_lib grade", "python -m course_lib.apps.slurm", "python -m course_lib.train_jax"):
+        assert cmd not in readme and docs.get(cmd, "").startswith("docs/"), (cmd, docs.get(cmd))
     for cmd in ("make lab", "make test", "make bench", "python -m course_lib doctor",
                 "python -m course_lib bench two-node", "python -m course_lib.train", "python -m course_lib validate"):
         assert cmd in docs, cmd
