@@ -1,11 +1,18 @@
-"""The static course site, built (Labs 00-02, to stay quick) and opened in headless Chromium over HTTP: every
-page loads, the syllabus and the prev / next / home links navigate, no link or image is broken, no request
-fails and the console stays clean. Screenshots of the index and a solution page go to test-artifacts/site/.
-Skipped where /usr/bin/chromium or Playwright is missing (``make system-deps``; never ``playwright install``).
+"""The static course site, built (Labs 00-02 and the docs pages, to stay quick) and opened in headless Chromium
+over HTTP: every page loads, the syllabus and the prev / next / home links navigate, no link or image is broken, no
+request fails, the console stays clean and no paragraph runs past ~100 characters a line. Screenshots of the index
+and a solution page go to test-artifacts/site/. Those tests are skipped where /usr/bin/chromium or Playwright is
+missing (``make system-deps``; never ``playwright install``).
+
+Without a browser, the whole site (every lab) is built and read as HTML: the front door (the Start block with its
+commands, the total time, the docs pages in every page's navigation) and what a solution page leaves out (progress
+displays, authoring markers, unwritten predictions' wording, stray function reprs), with a table of contents on
+every lab page.
 """
 from __future__ import annotations
 
 import functools
+import re
 import http.server
 import os
 import threading
@@ -14,9 +21,11 @@ from urllib.parse import urljoin, urlparse
 
 import pytest
 
-from course_lib.apps.site import WIDGET, build_site
+from course_lib.apps.site import DOC_ORDER, WIDGET, WIDGET_NOTE, build_site
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (DOC_ORDER.index(p.stem) if p.stem in DOC_ORDER else 99, p.stem))
+REPO = "https://example.org/fsdp-course.git"      # an address for the Start block (the checkout has no remote)
 ARTIFACTS = ROOT / "test-artifacts" / "site"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -29,16 +38,20 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
-    pages = build_site(ROOT / "solutions", ROOT / "labs", out, PATTERN)
+    pages = build_site(ROOT / "solutions", ROOT / "labs", out, PATTERN, docs=ROOT / "docs", repo=REPO)
     return out, pages
+
+
+def _labs(pages):
+    return [p for p in pages if p.parent.name == "solutions"]
 
 
 def test_the_build_writes_one_page_per_solution_and_every_lab(site):
     out, pages = site
     stems = [p.stem for p in sorted((ROOT / "solutions").glob(PATTERN))]
-    assert [p.name for p in pages] == ["index.html"] + [f"{s}.html" for s in stems]
+    assert [p.name for p in pages] == ["index.html"] + [f"{s}.html" for s in stems] + [f"{d.stem}.html" for d in DOCS]
     assert sorted(p.stem for p in (out / "labs").iterdir()) == stems
-    for page in pages[1:]:
+    for page in _labs(pages):
         text = page.read_text(encoding="utf-8")
         assert WIDGET not in text and "<script src=" not in text and "cdn.jsdelivr" not in text
         assert "data:image/png;base64," in text and "Download the lab (.ipynb)" in text
@@ -92,9 +105,18 @@ def test_every_page_loads_links_work_and_the_console_is_clean(site, server):
                         external.add(target)
                     elif target not in seen:
                         todo.append(target)
+            labs = _labs(pages)
             assert {u.removeprefix(server) for u in seen} == {
-                "index.html", *(f"solutions/{p.name}" for p in pages[1:]), *(f"labs/{p.stem}.ipynb" for p in pages[1:])}
+                "index.html", *(f"solutions/{p.name}" for p in labs), *(f"labs/{p.stem}.ipynb" for p in labs),
+                *(f"docs/{d.stem}.html" for d in DOCS)}
             assert all(u.startswith("https://") for u in external), external
+            assert REPO in external                                    # the Start block links the repository
+
+            for url in sorted(seen):                        # ~80 characters of prose a line, ~100 at most
+                if url.endswith(".html"):
+                    page.goto(url, wait_until="load")
+                    widest = page.evaluate(CHARS_PER_LINE)
+                    assert widest and widest[0] <= 100, f"{url}: {widest[0]:.0f} characters a line in {widest[1]!r}"
 
             page.goto(server + "index.html")
             page.screenshot(path=str(ARTIFACTS / "01-index.png"), full_page=True)
@@ -112,6 +134,103 @@ def test_every_page_loads_links_work_and_the_console_is_clean(site, server):
         finally:
             browser.close()
     assert problems == []
+
+
+#: the most characters per line of any paragraph or list item of prose on the page, and its start: a paragraph's
+#: length over the lines it is laid out on (its text rects' distinct tops, a code span's shifted top ignored)
+CHARS_PER_LINE = """() => {
+  let worst = [0, ''];
+  for (const el of document.querySelectorAll('.jp-RenderedMarkdown p, .jp-RenderedMarkdown li, main > p, main li')) {
+    const text = el.textContent.trim();
+    if (text.length < 40) continue;
+    const range = document.createRange(); range.selectNodeContents(el);
+    const tops = [...range.getClientRects()].map(r => r.top).sort((a, b) => a - b);
+    let lines = 0, last = -1e9;
+    for (const t of tops) { if (t - last > 8) { lines += 1; last = t; } }
+    const per = text.length / Math.max(lines, 1);
+    if (per > worst[0]) worst = [per, text.slice(0, 60)];
+  }
+  return worst;
+}"""
+
+
+@pytest.fixture(scope="module")
+def whole_site(tmp_path_factory):
+    """Every lab, the docs, no browser: what each page says and leaves out is read off the HTML."""
+    out = tmp_path_factory.mktemp("whole_site")
+    pages = build_site(ROOT / "solutions", ROOT / "labs", out, docs=ROOT / "docs", repo=REPO)
+    return out, pages
+
+
+def _widget_outputs():
+    """(lab stem, is a progress display, its text form) for every widget output the solutions stored without a
+    picture, read from the notebooks' saved widget state (independently of the site's own reading)."""
+    import nbformat
+    found = []
+    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                if WIDGET in data and not any(k.startswith("image/") for k in data):
+                    model = state[data[WIDGET]["model_id"]]
+                    kids = [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in model["state"].get("children", [])]
+                    found.append((path.stem, any(k.endswith("ProgressModel") for k in kids), data["text/plain"]))
+    return found
+
+
+def test_the_index_is_a_front_door(whole_site):
+    """The Start block (the repository, `make lab`, `make test`, `make doctor`, what a downloaded lab needs), the
+    course's total time as the sum of the minutes the labs state, and every docs page in every page's navigation."""
+    import nbformat
+    out, pages = whole_site
+    index = (out / "index.html").read_text(encoding="utf-8")
+    start = index[index.index("id='start'"):index.index("</section>", index.index("id='start'"))]
+    for needle in ("make lab", "make test", "make doctor", f"git clone {REPO}", f"href='{REPO}'",
+                   "No module named 'course_lib'"):
+        assert needle in start, needle
+    minutes = 0
+    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        first = nbformat.read(path, as_version=4).cells[0].source
+        minutes += int(re.search(r"\*\*Time:\*\* ~(\d+) min", first)[1])
+    assert f"({minutes} min: the sum" in start and f"{minutes // 60} h {minutes % 60:02d} min" in start
+    assert "measured:" not in index and "bench labs" not in index       # the cards keep the authors' notes out
+    assert DOCS and len(DOCS) >= 6
+    for page in pages:
+        nav = re.search(r"<nav class=.course-nav.>(.*?)</nav>", page.read_text(encoding="utf-8"), re.S)
+        assert nav, page.name
+        for doc in DOCS:
+            assert f"docs/{doc.stem}.html" in nav[1], (page.name, doc.name)
+        assert "index.html#start" in nav[1], page.name
+    assert [p.stem for p in pages if p.parent.name == "docs"] == ["instructors", "grading", "clusters", "gpus",
+                                                                  "benchmarks", "tests"]
+
+
+def test_a_solution_page_leaves_out_what_only_the_notebook_needs(whole_site):
+    """No progress bar or clock (not even labelled interactive), no authoring marker, no 'no prediction written',
+    no stray `<function ...>` repr; a table of contents and prose held to ~85 characters a line on every lab page."""
+    out, pages = whole_site
+    widgets = _widget_outputs()
+    assert sum(p for _, p, _ in widgets) >= 8, widgets       # the premise: the solutions store progress displays
+    texts = {p.stem: p.read_text(encoding="utf-8") for p in _labs(pages)}
+    everything = "\n".join(texts.values())
+    note = re.sub(r"<[^>]+>", "", WIDGET_NOTE)                # nbconvert re-quotes the note's HTML
+    assert everything.count(note) == sum(not p for _, p, _ in widgets)   # only the truly interactive ones say so
+    for stem, progress, plain in widgets:
+        if progress:
+            assert plain.split("|")[0].strip() not in texts[stem], (stem, plain)
+    for banned in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN", "### HINT", "no prediction written",
+                   "&lt;function ", "<function "):
+        assert banned not in everything, banned
+    assert "🎯" in everything and "measured" in everything    # an unwritten prediction keeps its measurement
+    for stem, text in texts.items():
+        toc = re.search(r"<nav class='course-toc'.*?</nav>", text, re.S)
+        assert toc, stem
+        anchors = re.findall(r'href="#([^"]+)"', toc[0])
+        assert len(anchors) >= 5 and all(f'id="{a}"' in text for a in anchors), stem
+        width = re.search(r"\.jp-RenderedMarkdown :is\(p,li[^)]*\)\{max-width:(\d+)ch\}", text)
+        assert width and 60 <= int(width[1]) <= 80, stem       # ~80-90 characters of prose (the browser test measures)
 
 
 def test_titles_read_as_text_and_links_are_cut_at_a_word():

@@ -56,9 +56,9 @@ _NAV_CSS = """nav.course-nav{display:flex;flex-wrap:wrap;gap:.3em 1.2em;padding:
 background:#f3f5f8;border-bottom:1px solid #d0d7de;font:14px system-ui,sans-serif}
 nav.course-nav a{color:#0b5cad;text-decoration:none}nav.course-nav a:hover{text-decoration:underline}
 nav.course-nav .sep{color:#8c959f}"""
-#: ~80 characters of prose a line (``ch`` is a digit's width; prose averages narrower): headings, paragraphs and
+#: ~80-90 characters of prose a line (``ch`` is a digit's width; prose averages ~0.8 of it): headings, paragraphs and
 #: lists of the markdown cells. Code cells, outputs and tables keep the page's width.
-PROSE_WIDTH = "80ch"
+PROSE_WIDTH = "72ch"
 _CSS = _NAV_CSS + f"""
 .jp-RenderedMarkdown :is(p,li,blockquote,h1,h2,h3,h4,h5,h6,dl){{max-width:{PROSE_WIDTH}}}
 nav.course-toc{{border:1px solid #d0d7de;border-radius:6px;padding:.4em 1em;margin:.5em 0 1em
@@ -240,7 +240,7 @@ def _toc(body: str) -> str:
         items.append(f"<li><a href=\"#{anchor}\">{text}</a>{f'<ol>{sub}</ol>' if sub else ''}</li>")
     return ("<nav class='course-toc' aria-label='Contents'><details open><summary>Contents</summary>"
             f"<ol>{''.join(items)}</ol></details><p>To run this lab: clone the course, then <code>make lab</code> "
-            f"(<a href='../index.html#start'>Start</a>). {html.escape(NEEDS_REPO)}</p></nav>")
+            f"(<a href='../index.html#start'>Start</a>). {html.escape(NEEDS_REPO, quote=False)}</p></nav>")
 
 
 def _with_toc(body: str) -> str:
@@ -281,7 +281,7 @@ def _start(repo: str | None, total: int, n_labs: int) -> str:
         "<code>make lab</code> prints a URL with a token: open it in your browser.</li>"
         "<li>Is the machine ready? <code>make doctor</code> prints Python, torch and JAX versions, CPU cores, "
         "GPUs, the backend 4 ranks would use and why, and JAX's devices.</li></ol>"
-        f"<p><strong>A downloaded lab needs the repository.</strong> {html.escape(NEEDS_REPO)} Open it from "
+        f"<p><strong>A downloaded lab needs the repository.</strong> {html.escape(NEEDS_REPO, quote=False)} Open it from "
         "<code>labs/</code> in JupyterLab started by <code>make lab</code>.</p>"
         f"<p><strong>Time:</strong> {n_labs} labs, about {_duration(total)} of work in all ({total} min: the sum "
         "of the times the labs state below), plus a few minutes of running each.</p></section>")
