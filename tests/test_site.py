@@ -252,3 +252,29 @@ def test_titles_read_as_text_and_links_are_cut_at_a_word():
             assert title.startswith(kept) and title[len(kept)] in " ,;:—–-(", (title, short)
         nav = s._nav(pages, i)
         assert "`" not in nav
+
+
+def test_static_drops_a_function_repr_and_a_bar_whose_state_was_not_saved():
+    """What `interact(show)` returns (`<function show at 0x...>`) and a progress bar stored without widget state
+    (its text form) are dropped; an ordinary result, a stream and a widget with a picture are kept."""
+    import nbformat
+
+    from course_lib.apps import site as s
+    v4 = nbformat.v4
+    bar = {WIDGET: {"model_id": "gone", "version_major": 2, "version_minor": 0},
+           "text/plain": "measuring 15 steps each:  40%|████      | 2/5 [00:03<00:05, 1.7s/config]"}
+    picture = {WIDGET: {"model_id": "gone2", "version_major": 2, "version_minor": 0}, "image/png": "iVBORw0KGgo=",
+               "text/plain": "a widget with its picture"}
+    nb = v4.new_notebook(cells=[v4.new_code_cell("widgets.interact(show)\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION",
+                                                 outputs=[
+        v4.new_output("execute_result", data={"text/plain": "<function show at 0x7f3a2c1b9d30>"}, execution_count=1),
+        v4.new_output("display_data", data=bar),
+        v4.new_output("display_data", data=picture),
+        v4.new_output("stream", name="stdout", text="🎯 bytes: no prediction written (set it in the cell above "
+                                                   "before running); measured 768 B.\n"),
+        v4.new_output("execute_result", data={"text/plain": "42"}, execution_count=2)])])
+    out = s._static(nb, set()).cells[0]
+    assert out.source == "widgets.interact(show)\nx = 1\n"
+    assert [o.output_type for o in out.outputs] == ["display_data", "stream", "execute_result"]
+    assert "image/png" in out.outputs[0].data and WIDGET not in out.outputs[0].data
+    assert out.outputs[1].text == "🎯 bytes: measured 768 B.\n" and out.outputs[2].data["text/plain"] == "42"
