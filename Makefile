@@ -79,7 +79,8 @@ solutions: $(STAMP)
 labs: $(STAMP)
 	$(PY) -m course_lib make-labs
 
-# The course as a static website in site/: each solution with its outputs, a syllabus, the labs to download
+# The course as a static website in site/: a front door (how to start, the total time, the syllabus), each solution
+# with its outputs, the docs/ pages, the labs to download
 # (nbconvert and a generated index: course_lib/apps/site.py). Open site/index.html, or copy site/ to any host.
 site: $(STAMP)
 	$(PY) -m course_lib site

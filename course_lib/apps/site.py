@@ -74,7 +74,7 @@ pre{{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:.6em 
 code{{font-size:.92em}}table{{border-collapse:collapse;margin:1em 0;font-size:.95em}}
 td,th{{border:1px solid #d0d7de;padding:.25em .6em;vertical-align:top;text-align:left}}
 #start{{background:#f3f8ff;border:1px solid #b6d4fe;border-radius:6px;padding:.2em 1em;margin:1em 0}}
-a.anchor-link{{display:none}}"""
+a.anchor-link{{display:none}}main.doc{{max-width:62em}}main.doc :is(p,li,h1,h2,h3,blockquote){{max-width:{PROSE_WIDTH}}}"""
 #: docs/NAME.md pages in the navigation, in this order (any other docs page follows, by name)
 DOC_ORDER = ("instructors", "grading", "clusters", "gpus", "benchmarks", "tests")
 #: widget models that only show a cell is alive (tqdm's bar, the labs' clocks): dropped from the pages
@@ -257,10 +257,12 @@ def _doc_title(text: str, where: Path) -> str:
     return m[1].strip().replace("`", "")
 
 
-def _page(title: str, nav: str, body: str) -> str:
+def _page(title: str, nav: str, body: str, kind: str = "index") -> str:
+    """A page of the site's own (the index, a docs page): a docs page is wider, for its code and tables, but its
+    prose keeps the index's width."""
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<meta name='viewport' content='width=device-width, initial-scale=1.0'><link rel='icon' href='data:,'>"
-            f"<style>{_INDEX_CSS}</style></head><body>{nav}<main>{body}</main>{nav}</body></html>")
+            f"<style>{_INDEX_CSS}</style></head><body>{nav}<main class='{kind}'>{body}</main>{nav}</body></html>")
 
 
 def _start(repo: str | None, total: int, n_labs: int) -> str:
@@ -352,8 +354,8 @@ def build_site(solutions: Path, labs: Path, out: Path, pattern: str = "[0-9][0-9
     for (stem, _label), path, text in zip(doc_nav, mds, doc_texts):
         nav = "<nav class='course-nav'>" + "".join(_site_links("../", doc_nav, current=stem)) + "</nav>"
         page = out / "docs" / f"{stem}.html"
-        page.write_text(_page(_doc_title(text, path), nav, markdown2html(_link_pages(text, names, doc_names))),
-                        encoding="utf-8")
+        page.write_text(_page(_doc_title(text, path), nav, markdown2html(_link_pages(text, names, doc_names)),
+                              kind="doc"), encoding="utf-8")
         written.append(page)
     return [out / "index.html", *written]
 
