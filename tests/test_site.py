@@ -278,3 +278,11 @@ def test_static_drops_a_function_repr_and_a_bar_whose_state_was_not_saved():
     assert [o.output_type for o in out.outputs] == ["display_data", "stream", "execute_result"]
     assert "image/png" in out.outputs[0].data and WIDGET not in out.outputs[0].data
     assert out.outputs[1].text == "🎯 bytes: measured 768 B.\n" and out.outputs[2].data["text/plain"] == "42"
+
+
+def test_the_total_time_reads_each_labs_time_or_names_the_lab_that_states_none():
+    from course_lib.apps.site import learner_minutes
+    assert learner_minutes("**Time:** ~75 min (four exercises). Run untouched, ...") == 75
+    assert learner_minutes("**Time:** ~1.5 h (six exercises).") == 90
+    with pytest.raises(ValueError, match=r"solutions/07_x\.ipynb: its first cell states no learner time"):
+        learner_minutes("Time: a while", "solutions/07_x.ipynb")

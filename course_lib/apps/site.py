@@ -54,8 +54,7 @@ _TEMPLATE = """{%- extends 'index.html.j2' -%}
 """
 _NAV_CSS = """nav.course-nav{display:flex;flex-wrap:wrap;gap:.3em 1.2em;padding:.6em 1em;margin:0 0 1em;
 background:#f3f5f8;border-bottom:1px solid #d0d7de;font:14px system-ui,sans-serif}
-nav.course-nav a{color:#0b5cad;text-decoration:none}nav.course-nav a:hover{text-decoration:underline}
-nav.course-nav .sep{color:#8c959f}"""
+nav.course-nav a{color:#0b5cad;text-decoration:none}nav.course-nav a:hover{text-decoration:underline}"""
 #: ~80-90 characters of prose a line (``ch`` is a digit's width; prose averages ~0.8 of it): headings, paragraphs and
 #: lists of the markdown cells. Code cells, outputs and tables keep the page's width.
 PROSE_WIDTH = "72ch"
@@ -87,7 +86,7 @@ _STRAY = re.compile(r"<function [\w.<>]+ at 0x[0-9a-f]+>")
 #: what a lab downloaded alone lacks (the site says it beside every download)
 NEEDS_REPO = ("A lab's first cell imports course_lib, the course's library, which is in the repository, not in the "
               ".ipynb: run alone, the lab stops there with \"No module named 'course_lib'\".")
-_LEARNER_TIME = re.compile(r"\*\*Time:\*\*\s*~?\s*(\d+)\s*min\b([^.]*)")
+_LEARNER_TIME = re.compile(r"\*\*Time:\*\*\s*~?\s*(\d+(?:\.\d+)?)\s*(min|h)\b([^.]*)")
 
 
 def _title(nb) -> str:
@@ -120,18 +119,18 @@ def _summary(nb) -> tuple[str, str]:
 
 
 def learner_minutes(time_line: str, where: str = "a lab") -> int:
-    """The minutes of work a lab's ``**Time:** ~75 min (...)`` line states (the syllabus adds them up)."""
+    """The minutes of work a lab's ``**Time:** ~75 min (...)`` (or ``~2 h``) line states (the index adds them up)."""
     m = _LEARNER_TIME.search(time_line)
     if m is None:
         raise ValueError(f"{where}: its first cell states no learner time; write a paragraph that starts "
                          f"'**Time:** ~75 min (four exercises).' (found {time_line[:80]!r})")
-    return int(m.group(1))
+    return round(float(m[1]) * (60 if m[2] == "h" else 1))
 
 
 def _card_time(time_line: str, where: str) -> str:
     """A syllabus card's time: the learner's minutes and the notebook's run time, without the measurement notes
     (which machine, which command) that the lab's own first cell keeps for its authors."""
-    minutes, rest = learner_minutes(time_line, where), _LEARNER_TIME.search(time_line).group(2).strip()
+    minutes, rest = learner_minutes(time_line, where), _LEARNER_TIME.search(time_line)[3].strip()
     text = f"<strong>Time:</strong> ~{minutes} min{' ' + html.escape(rest) if rest else ''}"
     run = STATED.search(time_line.replace("\n", " "))
     if run:
