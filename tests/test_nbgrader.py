@@ -72,7 +72,7 @@ def test_nbgrader_generate_and_autograde_lab02(tmp_path):
     from nbgrader.api import Gradebook
     course = tmp_path / "course"
     (course / "source" / "lab02").mkdir(parents=True)
-    (course / "nbgrader_config.py").write_text(          # as README.md has instructors write it
+    (course / "nbgrader_config.py").write_text(          # as docs/instructors.md has instructors write it
         'c = get_config()\nc.CourseDirectory.course_id = "fsdp-course"\n'
         "from course_lib.authoring.nbgrader import mirror_no_output_widgets\nmirror_no_output_widgets()\n")
     solution = SOLUTIONS / "02_memory.ipynb"

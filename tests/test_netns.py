@@ -106,7 +106,7 @@ def test_interpreter_exit_cleans_up():
 
 @pytest.mark.slow
 def test_torchrun_two_agents_fsdp_vs_hsdp(tmp_path):
-    """`python -m course_lib bench two-node` as the README has a user type it (its --json holds what the report
+    """`python -m course_lib bench two-node` as docs/benchmarks.md has a user type it (its --json holds what the report
     was made from): FSDP and HSDP on two torchrun agents, the bytes on the cable against the model."""
     from course_lib.bench import two_node
     bench = subprocess.Popen([sys.executable, "-m", "course_lib", "bench", "two-node", "--steps", "2", "--json",

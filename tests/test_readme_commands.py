@@ -1,8 +1,8 @@
 """Every command a user is told to type is run by some test.
 
-``documented()`` reads README.md, the pages of docs/*.md and the markdown of solutions/*.ipynb and collects each ``make TARGET`` (a
-real Makefile target) and each ``python -m course_lib ...`` verb or script (``torchrun ... -m course_lib.X``
-counts as ``python -m course_lib.X``; ``bench WHAT`` means every benchmark). :data:`RUNS` says which test
+``documented()`` reads README.md, the pages of docs/*.md and the markdown of solutions/*.ipynb and collects
+each ``make TARGET`` (a real Makefile target) and each ``python -m course_lib ...`` verb or script
+(``torchrun ... -m course_lib.X`` counts as ``python -m course_lib.X``; ``bench WHAT`` means every benchmark). :data:`RUNS` says which test
 runs each one; ``test_every_documented_command_is_run_by_a_named_test`` fails when the docs name a command
 that is not in the table, or when the named test does not exist or never mentions the command. The rest of
 this file holds the quick runs no other test did: the tiniest size of each benchmark, ``make`` targets in a

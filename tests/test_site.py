@@ -24,7 +24,8 @@ import pytest
 from course_lib.apps.site import DOC_ORDER, WIDGET, WIDGET_NOTE, build_site
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md"), key=lambda p: (DOC_ORDER.index(p.stem) if p.stem in DOC_ORDER else 99, p.stem))
+DOCS = sorted((ROOT / "docs").glob("*.md"),            # in the site's order
+              key=lambda p: (DOC_ORDER.index(p.stem) if p.stem in DOC_ORDER else 99, p.stem))
 REPO = "https://example.org/fsdp-course.git"      # an address for the Start block (the checkout has no remote)
 ARTIFACTS = ROOT / "test-artifacts" / "site"
 CHROMIUM = "/usr/bin/chromium"
@@ -175,7 +176,8 @@ def _widget_outputs():
                 data = out.get("data", {})
                 if WIDGET in data and not any(k.startswith("image/") for k in data):
                     model = state[data[WIDGET]["model_id"]]
-                    kids = [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in model["state"].get("children", [])]
+                    kids = [state[c.removeprefix("IPY_MODEL_")]["model_name"]
+                            for c in model["state"].get("children", [])]
                     found.append((path.stem, any(k.endswith("ProgressModel") for k in kids), data["text/plain"]))
     return found
 

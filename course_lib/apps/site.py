@@ -73,7 +73,8 @@ pre{{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:.6em 
 code{{font-size:.92em}}table{{border-collapse:collapse;margin:1em 0;font-size:.95em}}
 td,th{{border:1px solid #d0d7de;padding:.25em .6em;vertical-align:top;text-align:left}}
 #start{{background:#f3f8ff;border:1px solid #b6d4fe;border-radius:6px;padding:.2em 1em;margin:1em 0}}
-a.anchor-link{{display:none}}main.doc{{max-width:62em}}main.doc :is(p,li,h1,h2,h3,blockquote){{max-width:{PROSE_WIDTH}}}"""
+a.anchor-link{{display:none}}main.doc{{max-width:62em}}
+main.doc :is(p,li,h1,h2,h3,blockquote){{max-width:{PROSE_WIDTH}}}"""
 #: docs/NAME.md pages in the navigation, in this order (any other docs page follows, by name)
 DOC_ORDER = ("instructors", "grading", "clusters", "gpus", "benchmarks", "tests")
 #: widget models that only show a cell is alive (tqdm's bar, the labs' clocks): dropped from the pages
@@ -282,7 +283,8 @@ def _start(repo: str | None, total: int, n_labs: int) -> str:
         "<code>make lab</code> prints a URL with a token: open it in your browser.</li>"
         "<li>Is the machine ready? <code>make doctor</code> prints Python, torch and JAX versions, CPU cores, "
         "GPUs, the backend 4 ranks would use and why, and JAX's devices.</li></ol>"
-        f"<p><strong>A downloaded lab needs the repository.</strong> {html.escape(NEEDS_REPO, quote=False)} Open it from "
+        "<p><strong>A downloaded lab needs the repository.</strong> "
+        f"{html.escape(NEEDS_REPO, quote=False)} Open it from "
         "<code>labs/</code> in JupyterLab started by <code>make lab</code>.</p>"
         f"<p><strong>Time:</strong> {n_labs} labs, about {_duration(total)} of work in all ({total} min: the sum "
         "of the times the labs state below), plus a few minutes of running each.</p></section>")
