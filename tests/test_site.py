@@ -33,7 +33,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
                  "--disable-component-update", "--disable-sync"]
 PATTERN = "0[0-2]_*.ipynb"
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,7 @@ def server(site):
     httpd.shutdown()
 
 
+@pytest.mark.browser
 def test_every_page_loads_links_work_and_the_console_is_clean(site, server):
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"{CHROMIUM} missing: run `make system-deps` (apt-get install chromium)")
