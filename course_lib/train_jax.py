@@ -1,4 +1,4 @@
-"""``python -m course_lib.train_jax``: an alias of :mod:`course_lib.apps.train_jax`, kept so the commands in the README
+"""``python -m course_lib.train_jax``: an alias of :mod:`course_lib.apps.train_jax`, kept so the commands in docs/clusters.md
 and the labs stay short."""
 import sys
 

@@ -11,5 +11,5 @@
 * :mod:`~course_lib.apps.site` -- ``python -m course_lib site`` (``make site``): the course as a static website.
 
 ``python -m course_lib.train``, ``.train_jax`` and ``.torchrun_demo`` are thin aliases of these, so the
-commands in the README and the labs stay short.
+commands in the README, docs/ and the labs stay short.
 """

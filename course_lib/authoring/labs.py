@@ -1,6 +1,6 @@
 """Authoring: derive labs/ from solutions/ (validating and running them: :mod:`.validate`, :mod:`.run`).
 
-Vocabulary (used by the CLI, the tests and the README):
+Vocabulary (used by the CLI, the tests, the README and docs/):
 
 * **solution** -- a source notebook ``solutions/NN_name.ipynb``: complete, executed, outputs kept
   (nbval compares them).

@@ -1,6 +1,6 @@
 """What the grader is handed: find the submissions, name their learners, refuse bad ones with a named error.
 
-**Learner names** (the convention the README states):
+**Learner names** (the convention docs/grading.md states):
 
 * ``CLASS/alice/02_memory.ipynb`` -- a file named like a lab (``NN_*.ipynb``): the learner is its folder;
 * ``CLASS/alice_02_memory.ipynb`` (or ``alice-02_...``, ``alice.02_...``): what comes before the lab's
