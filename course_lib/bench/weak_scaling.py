@@ -28,21 +28,22 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-__all__ = ["STRATEGIES", "Row", "paper_bytes", "row", "rows", "format_table", "main"]
+__all__ = ["STRATEGIES", "PASSES", "Row", "paper_bytes", "row", "rows", "format_table", "main"]
 
 #: the two strategies compared: ``bench.fsdp``'s names
 STRATEGIES = ("ddp", "fsdp2")
-_PASSES = {"ddp": 2, "fsdp2": 3}   # ring passes over Ψ per step: all-reduce = 2; all-gather x2 + reduce-scatter = 3
+#: ring passes over Ψ per step (all-reduce = 2; all-gather x2 + reduce-scatter = 3)
+PASSES = {"ddp": 2, "fsdp2": 3}   # ring passes over Ψ per step: all-reduce = 2; all-gather x2 + reduce-scatter = 3
 
 
 def paper_bytes(strategy: str, psi: int, n: int, elem: int = 4) -> float:
     """The paper's bytes one rank sends per step: ``2(N-1)/N · Ψ`` (DDP) or ``3(N-1)/N · Ψ`` (FSDP), times
     the element size (fp32: 4); no padding."""
-    if strategy not in _PASSES:
+    if strategy not in PASSES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     if not isinstance(n, int) or n < 1 or psi < 0:
         raise ValueError(f"n={n!r} must be an int >= 1 and psi={psi!r} >= 0")
-    return _PASSES[strategy] * (n - 1) / n * psi * elem
+    return PASSES[strategy] * (n - 1) / n * psi * elem
 
 
 @dataclass(frozen=True)
