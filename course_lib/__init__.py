@@ -7,7 +7,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
   runtime/     devices (backend choice, JAX simulated devices), netns (two "nodes" on one machine), imports
                (heavy imports with the garbage collector paused and frozen: a quicker start)
   comm/        ledger (record types), shim (flat all-gather / reduce-scatter), collectives (all-reduce from
-               its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO)
+               its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO),
+               hlo_schedule (a compiled module's schedule: sync collectives or async pairs with compute inside)
                  <- runtime
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
@@ -46,7 +47,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                cells), gpu_mfu, frameworks (torch eager / compiled / JAX on one
                GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces), labs (each lab's
-               seconds against its stated time), host (seconds per dispatch: the planner's host term)
+               seconds against its stated time), host (seconds per dispatch: the planner's host term),
+               weak_scaling (DDP vs FSDP2, the batch per rank fixed), xla_overlap (Lab 05's step compiled for
+               CPU or a compile-only GPU topology: its schedule)
                  <- runtime, comm, maths, launch, models, measure, strategies, widgets, authoring
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts

@@ -109,3 +109,43 @@ def test_xla_cpu_emits_only_sync_collectives_for_lab05s_step():
     known = res["known"]
     assert known["xla_gpu_enable_latency_hiding_scheduler"] and known["xla_gpu_disable_async_collectives"]
     assert not known["xla_gpu_enable_async_all_gather"] and not known["xla_gpu_enable_async_all_reduce"]
+
+
+GPU_TEXT = ROOT / "tests" / "fixtures" / "xla_gpu" / "lab05_step_8gpu_jax0.11.2.hlo.txt.gz"
+
+
+def _gpu_text() -> str:
+    import gzip
+    return gzip.decompress(GPU_TEXT.read_bytes()).decode()
+
+
+def test_xla_gpu_schedule_of_lab05s_step():
+    """XLA:GPU's plan for the same step (see tests/fixtures/xla_gpu/README.md): the forward's all-gathers
+    combined into one synchronous op before the first matmul; the gradients' reduce-scatter and the replicated
+    parameters' all-reduce async, each with compute inside its window."""
+    text = _gpu_text()
+    assert "is_scheduled=true" in text
+    assert hs.summary(text) == {"all-gather": {"sync": 1, "pairs": 0, "overlapped": 0},
+                                "all-reduce": {"sync": 0, "pairs": 1, "overlapped": 1},
+                                "reduce-scatter": {"sync": 0, "pairs": 1, "overlapped": 1}}
+    pairs = {p.kind: p for p in hs.async_pairs(text)}
+    assert (pairs["all-reduce"].compute, pairs["reduce-scatter"].compute) == (15, 41)
+    order = hs.entry(text)
+    gather = next(n for n, i in enumerate(order) if i.opcode == "all-gather")
+    assert len(order[gather].operands) == 11          # every sharded weight in one combined all-gather
+    first_matmul = next(n for n, i in enumerate(order) if "gemm" in i.name)
+    assert gather < first_matmul
+    # the backward's matmuls that run inside the all-reduce's window
+    start, done = (next(n for n, i in enumerate(order) if i.name == p) for p in ("all-reduce-start", "all-reduce-done"))
+    assert sum("gemm" in i.name for i in order[start:done]) == 9
+
+
+def test_the_ledger_reads_xla_gpu_async_forms_at_the_formula():
+    """((operands), outputs) *-start shapes count the outputs once; reduce-scatter-start is a reduce-scatter.
+    On XLA:GPU the jit step moves exactly FSDP's bytes without the backward re-gather (Lab 05, section 5)."""
+    from course_lib.comm.jax_ledger import from_hlo_text
+    from course_lib.maths.costs import ledger_wire_bytes
+    ledger = from_hlo_text(_gpu_text())
+    assert sorted((r.op, r.nbytes, r.group_size) for r in ledger) == [
+        ("all_gather", 164_864 * 4, 8), ("all_reduce", (1_792 + 1) * 4, 8), ("reduce_scatter", 164_864 * 4, 8)]
+    assert ledger_wire_bytes(ledger) == 2 * 7 / 8 * 164_864 * 4 + 2 * 7 / 8 * 1_793 * 4
