@@ -1,6 +1,6 @@
 """Weak scaling, as the FSDP paper measures it: the batch *per rank* stays fixed while ranks are added.
 
-    python -m course_lib.bench.weak_scaling [--ranks 1 2 4] [--batch 4] [--width 128] [--steps 10]
+    python -m course_lib bench weak-scaling [--ranks 1 2 4] [--batch 4] [--width 128] [--steps 10]
 
 Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" (VLDB 2023), report
 "near-linear" scaling in TFLOPS per GPU as GPUs are added at a fixed batch per GPU, and that FSDP
@@ -110,7 +110,7 @@ def format_table(rs: list[Row], times: bool = False) -> str:
 
 def main(argv=None) -> int:
     from course_lib.bench.step_time import lab_cfg
-    ap = argparse.ArgumentParser(prog="python -m course_lib.bench.weak_scaling", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m course_lib bench weak-scaling", description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank (fixed: weak scaling)")
     ap.add_argument("--width", type=int, default=128, help="d_model of Lab 08's GPT (2 blocks, 64 tokens)")

@@ -1,7 +1,7 @@
 """Compile Lab 05's FSDP train step and read its schedule: sync collectives, or async start/done pairs
 with compute in between (:mod:`course_lib.comm.hlo_schedule`)?
 
-    python -m course_lib.bench.xla_overlap [--devices 8] [--platform cpu|cuda] [--out DIR]
+    python -m course_lib bench xla-overlap [--devices 8] [--platform cpu|cuda] [--out DIR]
 
 The step is compiled on *abstract* inputs (shapes, dtypes and shardings; no array is ever made), so it
 compiles for devices that only need to be described, not present: ``--platform cuda`` with fewer than
@@ -185,7 +185,7 @@ def compile_variants(platform: str = "cpu", n: int = 8, target_config: str | Non
 
 def main(argv=None) -> int:
     from course_lib.comm import hlo_schedule
-    ap = argparse.ArgumentParser(prog="python -m course_lib.bench.xla_overlap", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m course_lib bench xla-overlap", description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--target-config", type=Path, help="GpuTargetConfigProto text for a compile-only GPU topology")
