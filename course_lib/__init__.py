@@ -9,7 +9,8 @@ module lives::
                (heavy imports with the garbage collector paused and frozen: a quicker start), errors (the one
                walk of an error's causes, groups and DCP's per-rank failures)
   comm/        ledger (record types), shim (flat all-gather / reduce-scatter), collectives (all-reduce from
-               its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO)
+               its halves), torch_ledger (c10d-level capture), jax_ledger (collectives from compiled HLO),
+               hlo_schedule (a compiled module's schedule: sync collectives or async pairs with compute inside)
   maths/       strategy (which strategy shards what: the one table), sharding (padding), costs (bytes per
                collective and step, α-β), memory (bytes per rank), ownership, traffic, step_model (step
                time from α, β and FLOP/s), flops (FLOPs per token: MFU's one numerator), schedule (the LR
@@ -50,7 +51,8 @@ module lives::
                GPU, each predicted first), two_node +
                two_node_worker (torchrun across two network namespaces), labs (each lab's
                seconds against its stated time), host (seconds per dispatch: the planner's host term),
-               offload (FSDP2's CPU offload on one GPU)
+               offload (FSDP2's CPU offload on one GPU), weak_scaling (DDP vs FSDP2, the batch per rank
+               fixed), xla_overlap (Lab 05's step compiled for CPU or a compile-only GPU topology: its schedule)
   apps/        cli (``python -m course_lib``), train, train_jax, train_config (their flags, checked
                before any rank trains), torchrun (torchrun, with those flags checked before any worker starts
                and a quiet exit), torchrun_demo, site (the course as a static website), slurm (the Slurm

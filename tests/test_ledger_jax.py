@@ -235,3 +235,16 @@ def test_scan_collectives_count_per_layer(compiled):
     gathers = compiled["scan"].filter(op="all_gather")
     assert len(gathers) >= 4 and len(gathers) % 4 == 0  # one per layer per pass, from the while body
     assert {r.nbytes for r in gathers} == {128 * 128 * 4}
+
+
+def test_xla_gpu_async_start_shapes_count_outputs_once():
+    """jax 0.11's XLA:GPU prints an async start as ((operands...), outputs): the payload is the outputs'."""
+    text = """HloModule m, num_partitions=4
+ENTRY %main (x: f32[8,4], y: f32[5]) -> f32[2,4] {
+  %ars = ((f32[5]{0}), f32[5]{0}) all-reduce-start(%y), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ard = f32[5]{0} all-reduce-done(%ars)
+  %rss = ((f32[8,4]{1,0}, f32[4]{0}), (f32[2,4]{1,0}, f32[1]{0})) reduce-scatter-start(%x, %y), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %rsd = (f32[2,4]{1,0}, f32[1]{0}) reduce-scatter-done(%rss)
+}"""
+    ledger = from_hlo_text(text)
+    assert [(r.op, r.nbytes) for r in ledger] == [("all_reduce", 5 * 4), ("reduce_scatter", (8 * 4 + 4) * 4)]

@@ -54,6 +54,8 @@ RUNS = {
     "python -m course_lib bench step-time": (HERE + "test_bench_step_time_tiniest", '"step-time"'),
     "python -m course_lib bench timeline": (HERE + "test_bench_timeline_tiniest", '"timeline"'),
     "python -m course_lib bench labs": (HERE + "test_bench_labs_tiniest", '"labs"'),
+    "python -m course_lib bench weak-scaling": (HERE + "test_bench_weak_scaling_tiniest", '"weak-scaling"'),
+    "python -m course_lib bench xla-overlap": (HERE + "test_bench_xla_overlap_on_cpu", '"xla-overlap"'),
     "python -m course_lib.bench.host": (HERE + "test_bench_host_calibrates", "course_lib.bench.host"),
     "python -m course_lib bench two-node": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
                                             '"two-node"'),
@@ -244,6 +246,30 @@ def test_bench_fsdp_tiniest():
     losses = re.search(r"ours ([\d.]+), FSDP2 ([\d.]+), DDP ([\d.]+)", out.stdout).groups()
     assert float(losses[0]) == pytest.approx(float(losses[2]), rel=1e-4), out.stdout   # the same step's loss
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+
+
+def test_bench_weak_scaling_tiniest():
+    out = subprocess.run([PY, "-m", "course_lib", "bench", "weak-scaling", "--ranks", "1", "2", "--batch", "1",
+                          "--width", "32", "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = {(w[0], int(w[1])): w for w in map(str.split, out.stdout.splitlines()) if w[:1] in (["ddp"], ["fsdp2"])}
+    assert set(rows) == {("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)}, out.stdout
+    for w in rows.values():
+        assert w[5] == w[6], out.stdout                                   # ledger == step_cost, to the byte
+    assert rows["ddp", 2][5] == rows["ddp", 2][7] and rows["ddp", 1][5] == "0", out.stdout   # 2(N-1)/N·4Ψ exactly
+    state = {k: int(w[9].replace(",", "")) for k, w in rows.items()}
+    assert state["ddp", 2] == state["ddp", 1] and abs(state["fsdp2", 2] / state["fsdp2", 1] - 0.5) < 0.01, out.stdout
+
+
+def test_bench_xla_overlap_on_cpu(tmp_path):
+    out = subprocess.run([PY, "-m", "course_lib", "bench", "xla-overlap", "--devices", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["devices"] == "2 CPU devices", summary
+    forms = summary["variants"]["default"]
+    assert forms["all-gather"]["sync"] > 0 and all(v["pairs"] == 0 for v in forms.values()), forms   # XLA:CPU: no pair
+    assert "xla_gpu_enable_async_all_gather=no" in out.stdout and (tmp_path / "cpu_default.hlo.txt").exists()
 
 
 @pytest.mark.slow

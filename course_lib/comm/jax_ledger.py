@@ -21,7 +21,7 @@ What XLA:CPU emits (jax 0.10.2, 8 simulated devices; compiled in ``tests/test_le
   total, (1 + 2)(N-1)/N Ψ, equals ZeRO-3's 3(N-1)/N Ψ by coincidence; the split differs. With a small
   batch the partitioner may move activations instead (``all-to-all`` + ``all-gather``).
 * A ``bfloat16`` psum is promoted: the all-reduce runs in ``f32`` (twice the payload). No async
-  ``*-start``/``*-done`` forms on CPU; they are parsed for GPU programs.
+  ``*-start``/``*-done`` forms on CPU; parsed for GPU (jax 0.11: ``((operands...), outputs)`` start shapes).
 * Replica groups come in three spellings, all parsed: explicit ``{{0,1},{2,3}}``, iota
   ``[2,4]<=[8]`` / ``[2,2]<=[2,2]T(1,0)``, and the mesh form ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}``
   (optionally ``, device_ids=([2,4]T(1,0))`` and sub-axes ``'a':(2)4``). XLA's axis names there are its
@@ -48,7 +48,7 @@ __all__ = ["from_hlo_text", "from_compiled", "parse_collectives", "parse_replica
 HLO_OPS = {"all-gather": "all_gather", "all-gather-start": "all_gather", "reduce-scatter": "reduce_scatter",
            "all-reduce": "all_reduce", "all-reduce-start": "all_reduce", "all-to-all": "all_to_all",
            "collective-permute": "collective_permute", "collective-permute-start": "collective_permute",
-           "collective-broadcast": "broadcast"}
+           "collective-broadcast": "broadcast", "reduce-scatter-start": "reduce_scatter"}
 _SPECIAL = {"pred": (8, "bool"), "bf16": (16, "bfloat16"), "c64": (64, "complex64"),
             "c128": (128, "complex128"), "token": (0, "token")}
 
@@ -213,10 +213,10 @@ def parse_collectives(text: str, num_devices: int | None = None) -> list[HloColl
         if opcode not in HLO_OPS:
             continue
         op, parts = HLO_OPS[opcode], shape if isinstance(shape, list) else [shape]
-        if opcode == "all-gather-start":
-            parts = parts[len(parts) // 2:]       # (inputs..., outputs...): V is the gathered output
-        elif opcode == "collective-permute-start":
+        if opcode == "collective-permute-start":
             parts = parts[:1]                     # (input, output, u32[] contexts): V is the buffer
+        elif opcode.endswith("-start"):           # (inputs..., outputs...), or XLA:GPU's ((operands...), outputs)
+            parts = parts[1:] if isinstance(parts[0], list) else parts[len(parts) // 2:]
         leaves = [leaf for p in parts for leaf in _leaves(p)]
         if pairs := re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?\s*)*\})", rest):
             groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", pairs.group(1)[1:-1]))
