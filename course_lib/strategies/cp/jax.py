@@ -12,11 +12,12 @@ __all__ = ["AXIS", "seq_mesh", "block_attention", "merge", "full_attention", "ri
 AXIS = "seq"
 
 
-def seq_mesh(p: int, axis: str = AXIS):
-    """``jax.make_mesh((p,), (axis,))`` with an Auto axis."""
+def seq_mesh(p: int, axis: str = AXIS, devices=None):
+    """``jax.make_mesh((p,), (axis,))`` with an Auto axis. Over ``devices`` (default: the first ``p``)."""
     import jax
     from jax.sharding import AxisType
-    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,))
+    devices = list(jax.devices()[:p] if devices is None else devices)
+    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,), devices=devices)
 
 
 def block_attention(q, k, v, mask=None):

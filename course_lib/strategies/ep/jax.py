@@ -14,11 +14,12 @@ __all__ = ["AXIS", "expert_mesh", "route", "moe_layer", "ep_layer"]
 AXIS = "expert"
 
 
-def expert_mesh(p: int, axis: str = AXIS):
-    """``jax.make_mesh((p,), (axis,))`` with an Auto axis."""
+def expert_mesh(p: int, axis: str = AXIS, devices=None):
+    """``jax.make_mesh((p,), (axis,))`` with an Auto axis. Over ``devices`` (default: the first ``p``)."""
     import jax
     from jax.sharding import AxisType
-    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,))
+    devices = list(jax.devices()[:p] if devices is None else devices)
+    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,), devices=devices)
 
 
 def route(x, router, k: int, cap: int):

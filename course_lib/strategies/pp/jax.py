@@ -15,11 +15,12 @@ __all__ = ["AXIS", "stage_mesh", "init_weights", "sequential", "pipeline", "tick
 AXIS = "stage"
 
 
-def stage_mesh(p: int, axis: str = AXIS):
-    """``jax.make_mesh((p,), (axis,))`` with an Auto axis: ``shard_map`` places the inputs itself."""
+def stage_mesh(p: int, axis: str = AXIS, devices=None):
+    """``jax.make_mesh((p,), (axis,))`` with an Auto axis: ``shard_map`` places the inputs itself. Over ``devices`` (default: the first ``p``)."""
     import jax
     from jax.sharding import AxisType
-    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,))
+    devices = list(jax.devices()[:p] if devices is None else devices)
+    return jax.make_mesh((p,), (axis,), axis_types=(AxisType.Auto,), devices=devices)
 
 
 def init_weights(p: int, d: int, seed: int = 0):

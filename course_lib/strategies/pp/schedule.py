@@ -39,7 +39,8 @@ def gpipe_order(stage: int, p: int, m: int) -> list[Op]:
 
 def one_f_one_b_order(stage: int, p: int, m: int) -> list[Op]:
     """1F1B: ``w = min(p - stage - 1, m)`` warm-up forwards, then (F, B) pairs, then the last ``w`` backwards.
-    The same order as torch's ``Schedule1F1B`` (``torch.distributed.pipelining``)."""
+    The same order as torch's ``Schedule1F1B`` (``torch.distributed.pipelining``), which refuses m < p where this
+    one caps the warm-up at m."""
     _check(stage, p, m)
     w = min(p - stage - 1, m)
     ops: list[Op] = [("F", i) for i in range(w)]
