@@ -27,6 +27,9 @@ private names borrowed across modules). Lowest first, each with what it may impo
                  <- runtime, comm, maths
   strategies/  one folder per parallelism, torch and JAX side by side:
                dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
+               pp/ {schedule (GPipe and 1F1B orders, their timeline and bubble), torch (send/recv and pipelining), jax},
+               cp/ {torch (ring attention with send/recv; torch's context_parallel probed), jax (ring with ppermute)},
+               ep/ {routing (top-k, capacity, the dispatch matrix), torch (all_to_all_single), jax (all_to_all)},
                checkpoint/ {torch (DCP), jax (Orbax), manager, owner, resumable, safetensors, names}: write then
                commit; one owner per folder (owner: an fcntl lock); one safetensors file for torch and Flax under
                the canonical names (names: the adapters)
