@@ -40,7 +40,8 @@ private names borrowed across modules). Lowest first, each with what it may impo
                lab00 ... labNN, lab06_tp (Lab 06's PyTorch tensor-parallel exercise), lab07_judge, lab07_orbax,
                lab07_crash (Lab 07's judge halves, its Orbax exercise, a rank's crash as plain data)
                  <- the layers above but widgets
-  widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
+  widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg,
+               dimensions (Lab 10: a pipeline's timeline, an all-to-all's matrix)
                  <- runtime, comm, maths, measure
   authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
                source notebook), lab_time (each lab's stated run time)                   <- runtime
