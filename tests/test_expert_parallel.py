@@ -97,3 +97,10 @@ def test_expert_slice_names_the_fix():
     assert list(ept.expert_slice(CFG, 1, 4)) == [2, 3]
     with pytest.raises(ValueError, match=r"n_experts\(8\) % world\(3\) != 0"):
         ept.expert_slice(CFG, 0, 3)
+
+
+def test_the_matrix_figure_writes_every_count_and_carries_a_png():
+    from course_lib.widgets.dimensions import matrix_figure
+    fig = matrix_figure([[1, 2], [3, 4]], "m", side=[("per expert", [5, 6, 7, 8])])
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["1", "2", "3", "4"]
+    assert len(fig.axes[1].patches) == 4 and fig._repr_png_()[:4] == b"\x89PNG"

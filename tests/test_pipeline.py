@@ -102,3 +102,14 @@ def test_jax_pipeline_equals_the_sequential_model_values_and_gradients():
     assert len(table) == m + p - 1 and sum(v is None for row in table for v in row) == p * (p - 1)
     with pytest.raises(ValueError, match="one stage per device"):
         ppj.pipeline(ppj.init_weights(3, 7), xs, mesh)
+
+
+def test_the_timeline_figure_draws_every_op_and_carries_a_png():
+    from course_lib.widgets.base import figure_png
+    from course_lib.widgets.dimensions import pipeline_figure
+    p, m = 3, 4
+    panels = [(kind, [(s.stage, s.kind, s.mb, s.start, s.end) for s in schedule.simulate(schedule.orders(kind, p, m))])
+              for kind in schedule.SCHEDULES]
+    fig = pipeline_figure(panels, p)
+    assert [len(ax.patches) for ax in fig.axes] == [2 * p * m] * 2
+    assert figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n" and fig._repr_png_()[:4] == b"\x89PNG"
