@@ -92,7 +92,7 @@ def ep_forward(moe: MoE, x: torch.Tensor, group=None) -> tuple[torch.Tensor, dic
     used. Returns (output (T, d), stats: the copies sent to each rank, received per local expert, dropped)."""
     from torch.distributed._functional_collectives import all_to_all_single as fc_a2a    # differentiable
 
-    def a2a(inp, out_split, in_split):                          # returns a waitable tensor: wait before reading
+    def a2a(inp, out_split, in_split):     # `* 1` waits: the functional API returns an AsyncCollectiveTensor
         return fc_a2a(inp.contiguous(), out_split, in_split, group if group is not None else dist.group.WORLD) * 1
     r, p = dist.get_rank(group), dist.get_world_size(group)
     E, mine = moe.cfg.n_experts, expert_slice(moe.cfg, r, p)
