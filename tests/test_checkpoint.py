@@ -1,4 +1,4 @@
-"""course_lib.strategies.checkpoint.torch / checkpoint_manager / resumable: DCP save, reshard, resume, faults.
+"""course_lib.checkpoint.dcp / checkpoint_manager / resumable: DCP save, reshard, resume, faults.
 
 Multi-rank tests use real gloo ranks through course_lib.run; the course GPT has awkward sizes
 (vocab 67, d_ff 199, seq_len 31), so every shard at 4 ranks is padded and the last rank holds fewer rows.
@@ -16,8 +16,8 @@ import torch
 import course_lib
 from course_lib.checks.lab07 import CKPT_CONFIG
 from course_lib.models import GPTConfig, TokenTask
-from course_lib.strategies.checkpoint import torch as ck
-from course_lib.strategies.checkpoint import manager as cm
+from course_lib.checkpoint import dcp as ck
+from course_lib.checkpoint import manager as cm
 
 cfg = CKPT_CONFIG   # dropout 0.1: the RNG state matters to an exact resume
 
@@ -84,7 +84,7 @@ def test_consolidate_and_back(saved4, tmp_path):
 def test_consolidate_4_ranks_to_safetensors_bit_exact(saved4, tmp_path):
     """The FSDP2 checkpoint of 4 ranks (every shard padded, the last one shorter) -> one model.safetensors:
     the weights only, under the model's own names, bit for bit; the plain TorchGPT loaded from it too."""
-    from course_lib.strategies.checkpoint import safetensors as cs
+    from course_lib.checkpoint import safetensors as cs
     path, full = saved4
     h = cs.from_dcp(path, tmp_path / "model.safetensors", cfg)
     assert h.source["prefix"] == "model." and h.tensors["blocks.0.mlp.fc.weight"]["shape"] == [199, 66]

@@ -18,8 +18,8 @@ import torch
 
 from course_lib.checks.lab07 import CKPT_CONFIG
 from course_lib.models import GPTConfig
-from course_lib.strategies.checkpoint import manager as cm
-from course_lib.strategies.checkpoint import torch as ck
+from course_lib.checkpoint import manager as cm
+from course_lib.checkpoint import dcp as ck
 
 cfg = CKPT_CONFIG
 STEPS = 4

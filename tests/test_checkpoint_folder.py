@@ -3,7 +3,7 @@ variants. Each asserts the named error (one line), the exit status, that every c
 still verifies and loads bit-identical (its files' CRC-32s unchanged), that no debris is left and no process.
 
 * two trainers on one ``--ckpt-dir``: the second is refused in one line naming the first (the folder's lock,
-  ``course_lib.strategies.checkpoint.owner``); a dead owner's lock is taken over; pruning never touches a step
+  ``course_lib.checkpoint.owner``); a dead owner's lock is taken over; pruning never touches a step
   of another run;
 * a full disk at a later save, on one rank only or on all: every rank raises the same ``CheckpointWriteError``
   (one collective), the ``.partial`` is removed; when space runs out the steps beyond ``keep`` go first and the
@@ -35,9 +35,9 @@ import course_lib
 from course_lib.apps import torchrun
 from course_lib.apps.train_config import RUN_RECORD
 from course_lib.checks.lab07 import CKPT_CONFIG
-from course_lib.strategies.checkpoint import manager as cm
-from course_lib.strategies.checkpoint import owner
-from course_lib.strategies.checkpoint import torch as ck
+from course_lib.checkpoint import manager as cm
+from course_lib.checkpoint import owner
+from course_lib.checkpoint import dcp as ck
 from reference_runs import ENV, REPO
 
 TRAIN = [sys.executable, "-m", "course_lib.train", "--batch", "4", "--n-layers", "1"]
@@ -119,7 +119,7 @@ def test_the_lock_is_one_owner_and_released_on_every_exit_path(tmp_path):
     first.release()
     assert not (tmp_path / owner.LOCK_FILE).exists()
     # SIGKILL: the kernel releases the lock; the file names a dead owner, which the next taker recognises
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from course_lib.strategies.checkpoint import "
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from course_lib.checkpoint import "
                               "owner; lock = owner.take(sys.argv[1], command='doomed'); print('held', flush=True); "
                               "time.sleep(60)", str(tmp_path)], env=ENV, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "held"

@@ -1,4 +1,4 @@
-"""course_lib.strategies.checkpoint.jax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 and FSDP × TP (4, 2)
+"""course_lib.checkpoint.orbax: Orbax save on 8 devices, restore onto 8 -> 4 -> 1 and FSDP × TP (4, 2)
 -> 2 -> 1 with target shardings, and resume parity of a jit-compiled FSDP step. Runs in the pytest process (conftest sets up
 8 simulated CPU devices before JAX starts)."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_lib.strategies.checkpoint import jax as cj
+from course_lib.checkpoint import orbax as cj
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_importing_does_not_import_jax_or_orbax():
-    code = "import sys, course_lib.strategies.checkpoint.jax; print('jax' in sys.modules, 'orbax' in sys.modules)"
+    code = "import sys, course_lib.checkpoint.orbax; print('jax' in sys.modules, 'orbax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False False", out.stderr[-2000:]
 
@@ -139,7 +139,7 @@ KILLED_SAVE = '''
 import os, sys, time
 import numpy as np
 import jax
-from course_lib.strategies.checkpoint import jax as cj
+from course_lib.checkpoint import orbax as cj
 mngr = cj.manager(sys.argv[1])
 state = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(64, np.float32)}
 cj.save(mngr, 1, state, {"data_step": 1})

@@ -2,14 +2,14 @@
 (issue 48), not only through ``python -m course_lib.train``:
 
 * two runs of 2 gloo ranks each, in separate processes, different seeds, saving steps 1-6 with ``keep=2`` into
-  one folder: the second :class:`~course_lib.strategies.checkpoint.manager.Checkpointer` is refused at its first
+  one folder: the second :class:`~course_lib.checkpoint.manager.Checkpointer` is refused at its first
   save on both ranks with the same ``FolderBusy`` naming the owner (host, pid, run, command); the first run's
   committed steps are then exactly its own (none deleted, mixed, replaced or unreadable: every step verifies by
   CRC and loads bit-identical to the state the first run saved); the folder is free once the first run closed;
 * a dead owner's record is taken over, a live one in this very process refused, ``close()`` releases;
 * a read-only folder (a read-only bind mount; root only) constructs and loads bit-identically on 2 ranks,
   takes no lock, and refuses only a save, with one agreed error;
-* Orbax's manager (:func:`course_lib.strategies.checkpoint.jax.manager`) takes the folder before its first save.
+* Orbax's manager (:func:`course_lib.checkpoint.orbax.manager`) takes the folder before its first save.
 
 The first run of the contest is this file run as a script (``python tests/test_checkpoint_owner.py ...``):
 ``course_lib.run`` in its own process, held open after step 1 until the test lets it go.
@@ -30,9 +30,9 @@ import pytest
 
 import course_lib
 from course_lib.checks.lab07 import CKPT_CONFIG
-from course_lib.strategies.checkpoint import manager as cm
-from course_lib.strategies.checkpoint import owner
-from course_lib.strategies.checkpoint import torch as ck
+from course_lib.checkpoint import manager as cm
+from course_lib.checkpoint import owner
+from course_lib.checkpoint import dcp as ck
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -143,7 +143,7 @@ def test_a_second_checkpointer_is_refused_naming_the_owner_and_nothing_committed
 def test_a_dead_owner_is_taken_over_a_live_one_refused_and_close_releases(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                               "from course_lib.checks.lab07 import CKPT_CONFIG\n"
-                              "from course_lib.strategies.checkpoint import manager as cm, torch as ck\n"
+                              "from course_lib.checkpoint import dcp as ck, manager as cm\n"
                               "m, o, s, d = ck.resumable_run(CKPT_CONFIG)\n"
                               "held = cm.Checkpointer(sys.argv[1], command='doomed')\n"
                               "held.save(1, {'app': ck.AppState(m, o, s, d)})\n"
@@ -219,7 +219,7 @@ def test_a_read_only_folder_constructs_and_loads_bit_identically_on_2_ranks(cont
 # -- Orbax ---------------------------------------------------------------------------------------------------
 def test_the_orbax_manager_takes_the_folder_before_its_first_save(tmp_path):
     import numpy as np
-    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.checkpoint import orbax as cj
     state = {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}
     first = cj.manager(tmp_path, enable_async=False, command="first")
     assert owner.holder(tmp_path) is None                            # made, not yet saved: not held
@@ -241,7 +241,7 @@ def test_the_orbax_manager_takes_the_folder_before_its_first_save(tmp_path):
 def test_a_read_only_orbax_folder_restores_and_refuses_only_a_save(tmp_path):
     import jax
     import numpy as np
-    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.checkpoint import orbax as cj
     state = {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}
     mngr = cj.manager(tmp_path / "src", enable_async=False)
     cj.save(mngr, 1, state, {"data_step": 1})

@@ -44,3 +44,50 @@ def test_prefetch_plan_right_and_stub(capsys):
 def test_reference_prefetch_is_the_library_one():
     from course_lib.strategies.fsdp import torch as fsdp2
     assert lab04.check_prefetch_plan(fsdp2.prefetch_ahead) is True
+
+
+def accumulate_and_clip(model, micro_batches, loss_fn, max_norm):
+    import torch
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == k - 1)
+        (loss_fn(model(x), y) / k).backward()
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def stub_accumulate(model, micro_batches, loss_fn, max_norm):
+    raise NotImplementedError("Exercise not done yet: k micro-batches, one sync, one clip")
+
+
+def test_accumulate_and_clip_right_and_stub(capsys):
+    from course_lib.checks import lab04_grads
+    assert lab04_grads.check_accumulate_and_clip(accumulate_and_clip) is True
+    out = capsys.readouterr().out
+    assert out.startswith("✅ accumulate_and_clip: 3 micro-batches, 4 reduce-scatters (one per unit, on the last)")
+    assert lab04_grads.check_accumulate_and_clip(stub_accumulate) is False
+    assert "⏳ accumulate_and_clip: not implemented yet" in capsys.readouterr().out
+
+
+def test_the_reference_clip_is_active_and_per_shard_differs():
+    """The judge's premises: the clip bites (max_norm below the norm), and per-shard clipping changes the numbers."""
+    import numpy as np
+    from course_lib.checks import lab04_grads as g
+    per_micro = g.reference_grads()
+    ref = {n: sum(m[n] for m in per_micro) for n in per_micro[0]}
+    assert g._norm(ref) > 2 * g.MAX_NORM
+    clipped, shard = g._clip(ref, g.MAX_NORM), g._per_shard(ref, 4, g.MAX_NORM)
+    assert abs(g._norm(clipped) - g.MAX_NORM) < 1e-5
+    assert not g._close(shard, clipped)
+    assert g._norm(shard) > 1.5 * g.MAX_NORM            # every shard clipped to max_norm: about sqrt(4) x
+    assert all(np.array_equal(a, b) for a, b in zip(ref.values(), g._clip(ref, 1e9).values()))
+
+
+def test_judge_rejects_plain_data_that_lies():
+    """The judge reads numbers, not claims: a run whose norm is right but whose gradients are missing is refused."""
+    import pytest
+    from course_lib.checks import lab04_grads as g
+    rank = {"returned": {"type": "float", "dtype": None, "values": 3.05}, "ops": [], "grads": None}
+    with pytest.raises(AssertionError, match="no gradient for each parameter"):
+        g.judge_accumulate_and_clip({"ranks": [rank] * 4})
+    with pytest.raises(AssertionError, match="no result from each of 4 ranks"):
+        g.judge_accumulate_and_clip({"ranks": [rank] * 3})

@@ -220,6 +220,7 @@ def _from_catalogue(lab: str, picks: dict[str, str]) -> list[tuple]:
             for w in [next(w for w in catalogue if (w.exercise, w.tag) == (name, tag))]]
 
 
+WRONG += _from_catalogue("04", {"accumulate_and_clip": "per-shard clipping"})
 WRONG += _from_catalogue("09", {"hang_report": "outermost frame", "diverged_ranks": "not the first parameter",
                                 "first_nonfinite": "list order", "spec_fix": "replicated state"})
 WRONG += _from_catalogue("10", {"one_f_one_b": "GPipe order", "bubble_fraction": "relative to useful time",

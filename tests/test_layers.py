@@ -2,8 +2,9 @@
 a lazy one inside a function, or a string handed to ``importlib.import_module`` / ``__import__``), no cycles,
 no private names borrowed across modules, modules of a readable length.
 
-``MAY_IMPORT`` is the rule: a module of layer X may import its own layer and the layers listed for X, nothing
-else. Two more kinds of module sit outside the layers: the package itself (``course_lib/__init__.py``, the
+``LAYERS`` and ``MAY_IMPORT`` are the one statement of the layers (the package docstring and the layers'
+``__init__`` docstrings refer here): a module of layer X may import its own layer and the layers listed for X,
+nothing else. Two more kinds of module sit outside the layers: the package itself (``course_lib/__init__.py``, the
 public API notebooks import) and the entry aliases at the package root (``__main__``, ``train``,
 ``train_jax``, ``torchrun_demo``), which hand over to ``apps``.
 """
@@ -20,8 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "course_lib"
 #: The layers, lowest first (the order the package docstring draws them in).
-LAYERS = ("runtime", "comm", "maths", "launch", "models", "measure", "strategies", "checks", "widgets", "authoring",
-          "bench", "apps")
+LAYERS = ("runtime", "comm", "maths", "launch", "models", "measure", "strategies", "checkpoint", "checks", "widgets",
+          "authoring", "bench", "apps")
 _BASE = {"runtime", "comm", "maths"}
 #: Which layers a layer may import (besides itself). A layer may only name layers before it in LAYERS.
 MAY_IMPORT: dict[str, set[str]] = {
@@ -32,7 +33,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": _BASE,
     "measure": _BASE,
     "strategies": _BASE | {"launch", "models", "measure"},
-    "checks": _BASE | {"launch", "models", "measure", "strategies"},
+    "checkpoint": _BASE | {"launch", "models", "strategies"},   # saves what the strategies shard; not a parallelism
+    "checks": _BASE | {"launch", "models", "measure", "strategies", "checkpoint"},
     "widgets": _BASE | {"measure"},
     "authoring": {"runtime"},                                  # reads and writes notebooks: no torch, no JAX
     "bench": _BASE | {"launch", "models", "measure", "strategies", "widgets", "authoring"},   # bench labs: runs labs

@@ -60,6 +60,8 @@ RUNS = {
     # the worker torchrun starts on each "node" of `bench two-node` (the test asserts the report it feeds)
     "python -m course_lib bench two-node-worker": ("tests/test_netns.py::test_torchrun_two_agents_fsdp_vs_hsdp",
                                                    "format_report"),
+    "python -m course_lib.bench.offload": (HERE + "test_bench_offload_says_it_needs_a_gpu", "course_lib.bench.offload"),
+    "python -m course_lib bench offload": (HERE + "test_bench_offload_says_it_needs_a_gpu", '"offload"'),
     "python -m course_lib bench gpu-mfu": (HERE + "test_gpu_mfu_quick", '"gpu-mfu"'),
     "python -m course_lib.bench.gpu_mfu": (HERE + "test_gpu_mfu_quick", "course_lib.bench.gpu_mfu"),
     "python -m course_lib.torchrun_demo": ("tests/test_torchrun.py::test_run_under_torchrun_two_processes",
@@ -263,6 +265,21 @@ def test_gpu_mfu_quick(tmp_path):
         pytest.skip("the --quick run needs a GPU here (help checked above)")
     _run([PY, "-m", "course_lib", "bench", "gpu-mfu", "--quick", "--out", str(tmp_path)])
     assert (tmp_path / "gpu_results.json").is_file()
+
+
+def test_bench_offload_says_it_needs_a_gpu(tmp_path):
+    """`python -m course_lib.bench.offload` (Lab 04's CPU-offload figures): without a GPU it measures nothing and says
+    so, exit 0 with --quick and 2 without; its formula is the one Lab 04 prints."""
+    import torch
+    from course_lib.bench.offload import link_bytes_per_step
+    assert link_bytes_per_step(1000) == 12000 and link_bytes_per_step(7, param_bytes=2) == 42
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the real run is scripts/gpu_session.sh's")
+    out = _run([PY, "-m", "course_lib.bench.offload", "--quick", "--out", str(tmp_path)])
+    assert "no CUDA GPU" in out and "nothing is measured" in out
+    p = subprocess.run([PY, "-m", "course_lib", "bench", "offload"], capture_output=True, text=True, cwd=ROOT,
+                       env=ENV)
+    assert p.returncode == 2, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("script, extra", [("course_lib.train", []),

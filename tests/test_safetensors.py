@@ -1,4 +1,4 @@
-"""course_lib.strategies.checkpoint.safetensors: DCP and Orbax checkpoints -> one model.safetensors -> torch and Flax.
+"""course_lib.checkpoint.safetensors: DCP and Orbax checkpoints -> one model.safetensors -> torch and Flax.
 
 The course GPT with awkward sizes (vocab 67, d_ff 199, seq_len 31), trained a step so that no weight is its
 init value. Runs in the pytest process (conftest sets up 8 simulated JAX devices); the 4-rank FSDP2 case is in
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from course_lib import models
-from course_lib.strategies.checkpoint import safetensors as cs
-from course_lib.strategies.checkpoint import torch as ck
+from course_lib.checkpoint import safetensors as cs
+from course_lib.checkpoint import dcp as ck
 
 cfg = models.GPTConfig(seq_len=31, d_ff=199)
 
@@ -199,7 +199,7 @@ def test_orbax_to_safetensors_to_torch_within_1e_5(tmp_path):
         pytest.skip("needs 8 JAX devices (tests/conftest.py sets them up)")
     import optax
     from jax.sharding import AxisType
-    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.checkpoint import orbax as cj
     from course_lib.strategies.fsdp import jax as fsdp_jax
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     model = models.flax_gpt(cfg, seed=4)

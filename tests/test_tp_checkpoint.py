@@ -9,7 +9,7 @@ import torch
 
 import course_lib
 from course_lib.models import GPTConfig
-from course_lib.strategies.checkpoint import torch as ck
+from course_lib.checkpoint import dcp as ck
 from course_lib.strategies.tp import torch as tpt
 
 CFG = GPTConfig(d_model=66, n_heads=6, d_ff=198, seq_len=31, vocab_size=67, n_layers=2)

@@ -24,6 +24,7 @@ import torch
 from course_lib.apps import train
 from course_lib.apps.train_config import TrainConfig
 from course_lib.measure.dispatches import DispatchCounter, count_dispatches
+from course_lib.maths.schedule import Warmup
 
 SMALL = dict(n_layers=2, d_model=64, n_heads=2, d_ff=256, vocab_size=67, seq_len=32, batch=2)
 
@@ -39,10 +40,10 @@ def _count(model, opt, sched, data, autocast: bool) -> DispatchCounter:
 def _plain(cfg):
     """The same model, optimizer and data with nothing around the model: what the step should cost."""
     from course_lib.models import TokenTask, torch_gpt
-    from course_lib.strategies.checkpoint.resumable import ResumableBatches
+    from course_lib.checkpoint.resumable import ResumableBatches
     model = torch_gpt(cfg.model_config(), cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, train.Warmup(cfg.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
     return model, opt, sched, ResumableBatches(TokenTask(cfg.vocab_size, cfg.seq_len, seed=cfg.data_seed), cfg.batch)
 
 
@@ -64,7 +65,7 @@ def _fsdp_at_world_size_1(cfg):
         torch_init_(model, cfg.model_config(), cfg.seed)
         data = _plain(cfg)[3]                    # the same data stream
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, train.Warmup(cfg.warmup))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(cfg.warmup))
         return _count(model, opt, sched, data, autocast=False)
     finally:
         dist.destroy_process_group()

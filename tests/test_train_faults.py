@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.apps.jax_peers import PEER_LOST_EXIT
-from course_lib.strategies.checkpoint import owner
+from course_lib.checkpoint import owner
 from reference_runs import ENV, REPO, SMALL, free_port   # the configuration the runs that never stopped used
 
 GATE = REPO / "tests" / "fault_gate"
@@ -127,7 +127,7 @@ def _kill_the_agent_during_the_save(ck, log, gate) -> tuple[int, float, list[int
 
 @pytest.mark.slow
 def test_sigkill_of_the_torchrun_agent_during_a_dcp_save(torch_reference, tmp_path):
-    from course_lib.strategies.checkpoint.manager import Checkpointer, step_dir
+    from course_lib.checkpoint.manager import Checkpointer, step_dir
     ck, log, gate = tmp_path / "ck", tmp_path / "log.jsonl", tmp_path / "gate"
     with _row("torch: SIGKILL of the torchrun agent during the DCP save of step 4 (2 gloo ranks)",
                              "workers die with the agent; step_00000004.partial named and ignored at --resume; "
@@ -171,7 +171,7 @@ def _jax(extra, envs):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["process-1", "process-0-the-coordinator"])
 def test_sigkill_of_a_jax_process_during_an_orbax_save(jax_reference, tmp_path, victim):
-    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.checkpoint import orbax as cj
     ck, log, gate = tmp_path / "ck", tmp_path / "log.jsonl", tmp_path / "gate"
     extra = ["--ckpt-dir", str(ck), "--ckpt-every", "2"]
     envs = [_gated(gate, 4), _gated(gate, 4)]

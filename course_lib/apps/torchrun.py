@@ -16,7 +16,7 @@ Plain ``torchrun`` works too; what this adds, on top of ``torch.distributed.run.
   for SIGTERM), the shell's convention for "stopped by a signal", without torchrun's ``SignalException``
   traceback.
 * One trainer per checkpoint folder: on one node, this process takes ``--ckpt-dir``'s lock before any worker
-  starts (:mod:`course_lib.strategies.checkpoint.owner`; a second trainer is refused in one line naming this one,
+  starts (:mod:`course_lib.checkpoint.owner`; a second trainer is refused in one line naming this one,
   exit status 2) and holds it until the last worker is gone; on several nodes rank 0 takes it.
 * SIGKILL of this process (or the OOM killer) cannot be forwarded: each ``course_lib.train`` worker asks the
   kernel to SIGKILL it when its agent dies (``PR_SET_PDEATHSIG``), so no rank is left training alone; the save
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         if status:
             return status
         if ckpt_dir and config.max_nodes == 1:   # several nodes: rank 0 takes it
-            from course_lib.strategies.checkpoint import owner
+            from course_lib.checkpoint import owner
             try:
                 lock = owner.take(ckpt_dir, command="python -m course_lib.torchrun -m course_lib.train")
             except owner.FolderBusy as e:

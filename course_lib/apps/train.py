@@ -20,7 +20,7 @@ the current step, then exits. Rank 0 shows a tqdm bar, appends JSON lines to ``-
 MFU on a GPU, peak memory) and prints the run's collective ledger at the end. One trainer per ``--ckpt-dir``:
 the library's ``Checkpointer`` takes the folder's owner lock right after the process group starts, before the
 model is built (``python -m course_lib.torchrun`` takes it before any rank starts, and the ranks recognise their
-run's id); a second trainer is refused naming the first (:mod:`~course_lib.strategies.checkpoint.owner`). Exit
+run's id); a second trainer is refused naming the first (:mod:`~course_lib.checkpoint.owner`). Exit
 status: 0 done, 1 a checkpoint could not be written (one agreed line), 2 refused before training (flags, folder,
 resume), a signal's 128 + n under ``course_lib.torchrun``.
 
@@ -53,6 +53,9 @@ import sys
 import time
 
 from course_lib.runtime.imports import import_quickly
+from course_lib.maths.flops import gpt_flops_per_token
+from course_lib.maths.planner_hw import peak_flops
+from course_lib.maths.schedule import Warmup
 from course_lib.apps.train_config import (ConfigError, add_arguments, check_folder, check_paths, check_ranks,
                                           check_resume, from_args, quiet_parser_errors, wait_for_rank_0,
                                           write_run_record)
@@ -61,32 +64,6 @@ LOCK_ENV = "COURSE_LIB_CKPT_LOCK"   #: set by ``python -m course_lib.torchrun`` 
 
 #: on a GPU, steps run between two reads of the device (losses, timings): reading waits for the GPU to finish
 LOG_EVERY_CUDA = 10
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}  # dense, per GPU
-
-
-def flops_per_token(cfg) -> float:
-    """6·N (forward + backward of every weight) + 12·L·T·d (attention scores and values), per token."""
-    from course_lib.models.config import param_count
-    return 6 * param_count(cfg) + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
-
-
-def peak_flops(device) -> float | None:
-    """Dense bf16 peak of this GPU from its name (None on CPU or an unknown GPU: no MFU then)."""
-    import torch
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-class Warmup:
-    """LR factor min(1, (s + 1) / steps): a picklable linear warm-up."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def __call__(self, s: int) -> float:
-        return min(1.0, (s + 1) / self.steps)
 
 
 def _die_with_the_agent() -> None:
@@ -134,7 +111,7 @@ def build(cfg, device):
     from course_lib.models import TokenTask, TorchGPT, torch_init_
     from course_lib.strategies.fsdp.torch import shard_gpt
     from course_lib.strategies.hsdp.torch import hsdp_mesh, shard_gpt_hsdp
-    from course_lib.strategies.checkpoint.resumable import ResumableBatches
+    from course_lib.checkpoint.resumable import ResumableBatches
     mcfg = cfg.model_config()
     with torch.device("meta"):
         model = TorchGPT(mcfg)
@@ -184,8 +161,8 @@ def train_step(model, opt, sched, batch, autocast: bool = False):
 
 def _resume(ckpt, model, opt, sched, data, rank: int, world: int) -> int:
     """Load the newest complete checkpoint (0 if none); RNG only when this rank saved one at this world size."""
-    from course_lib.strategies.checkpoint.torch import AppState, read_metadata
-    from course_lib.strategies.checkpoint.manager import step_dir
+    from course_lib.checkpoint.dcp import AppState, read_metadata
+    from course_lib.checkpoint.manager import step_dir
     step = ckpt.latest()
     if step is None:
         return 0
@@ -214,7 +191,7 @@ def check_checkpoint_fits(cfg) -> None:
                     and (p / ".metadata").is_file()), reverse=True)
     import torch
     from course_lib.models import TorchGPT
-    from course_lib.strategies.checkpoint.torch import read_metadata
+    from course_lib.checkpoint.dcp import read_metadata
     for step in steps:
         try:
             meta = read_metadata(step).state_dict_metadata
@@ -260,7 +237,7 @@ def main(argv=None) -> int:
     _die_with_the_agent()
     world_env, rank_env = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     args = parser(rank_env).parse_args(argv)
-    from course_lib.strategies.checkpoint.owner import FolderBusy   # imports no torch
+    from course_lib.checkpoint.owner import FolderBusy   # imports no torch
     try:   # before any process group, model or data: every rank fails alike, rank 0 says why
         cfg = preflight(args, world_env)
     except ConfigError as e:
@@ -268,7 +245,7 @@ def main(argv=None) -> int:
             print(f"course_lib.train: {e}", file=sys.stderr, flush=True)
         wait_for_rank_0(rank_env)
         return 2
-    from course_lib.strategies.checkpoint.manager import CheckpointWriteError   # imports no torch
+    from course_lib.checkpoint.manager import CheckpointWriteError   # imports no torch
     from course_lib.launch.pool import PRELOAD
     import_quickly(PRELOAD["full"])   # what a rank needs, the collector paused: ~0.5 s less start-up per rank
     opened = []   # the Checkpointer, once made: its folder is released on every way out of here
@@ -292,8 +269,8 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     import torch.distributed as dist
     from tqdm.auto import tqdm
     from course_lib.comm import torch_ledger
-    from course_lib.strategies.checkpoint.torch import AppState
-    from course_lib.strategies.checkpoint.manager import Checkpointer, CheckpointCorrupt, CheckpointMismatch
+    from course_lib.checkpoint.dcp import AppState
+    from course_lib.checkpoint.manager import Checkpointer, CheckpointCorrupt, CheckpointMismatch
 
     rank, world, device = _init_process_group()
     stop = {"signal": None}
@@ -304,7 +281,7 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     if ckpt and opened is not None:
         opened.append(ckpt)
     if ckpt and ckpt.taken_over:
-        from course_lib.strategies.checkpoint.owner import describe
+        from course_lib.checkpoint.owner import describe
         print(f"course_lib.train: {cfg.ckpt_dir} was held by {describe(ckpt.taken_over)}, which is no longer "
               "running: taken over", file=sys.stderr, flush=True)
     model, opt, sched, data = build(cfg, device)
@@ -321,7 +298,8 @@ def _train(cfg, run_id: str | None = None, opened: list | None = None) -> int:
     if ckpt and rank == 0:
         write_run_record(cfg, "torch")
     log = open(cfg.jsonl, "a") if (cfg.jsonl and rank == 0) else None
-    tokens, fpt, peak = cfg.batch * cfg.seq_len, flops_per_token(cfg.model_config()), peak_flops(device)
+    tokens, fpt = cfg.batch * cfg.seq_len, gpt_flops_per_token(cfg.model_config())   # MFU: course_lib.maths.flops
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

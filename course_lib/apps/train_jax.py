@@ -196,13 +196,13 @@ def check_checkpoint_fits(cfg) -> None:
     abstractly: no memory), before anything is loaded -- with or without ``run.json``. :class:`ConfigError`."""
     from flax import nnx
     from course_lib import models
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax
-    saved = checkpoint_jax.saved_shapes(cfg.ckpt_dir)
+    from course_lib.checkpoint import orbax as cj
+    saved = cj.saved_shapes(cfg.ckpt_dir)
     if saved is None:
         return
     step, shapes = saved
     abstract = nnx.eval_shape(lambda: models.flax_gpt(cfg.model_config(), seed=cfg.seed))
-    want = checkpoint_jax.shapes_of({"model": nnx.state(abstract)})
+    want = cj.shapes_of({"model": nnx.state(abstract)})
     diff = [f"{k} saved {list(shapes[k]) if k in shapes else 'absent'} vs now {list(v)}" for k, v in want.items()
             if shapes.get(k) != v] + [f"{k} saved {list(v)} vs now absent" for k, v in shapes.items()
                                       if k.startswith("model.") and k not in want]
@@ -214,14 +214,14 @@ def check_checkpoint_fits(cfg) -> None:
 
 def _take_folder(cfg, pid: int, nproc: int):
     """The checkpoint folder taken for this run before the model is built, through the library
-    (:func:`course_lib.strategies.checkpoint.jax.claim_folder`: process 0 takes it, every process learns the
+    (:func:`course_lib.checkpoint.orbax.claim_folder`: process 0 takes it, every process learns the
     answer); a refusal is :class:`ConfigError` on every process (one line from process 0). Returns the lock on
     process 0 (None elsewhere, or without --ckpt-dir). The Orbax manager is then made with ``lock=False``."""
     if not cfg.ckpt_dir:
         return None
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax, owner
+    from course_lib.checkpoint import orbax as cj, owner
     try:
-        lock = checkpoint_jax.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
+        lock = cj.claim_folder(cfg.ckpt_dir, command="python -m course_lib.train_jax")
     except (owner.FolderBusy, OSError) as e:
         raise ConfigError(str(e)) from None
     if lock is not None and lock.stale:
@@ -238,10 +238,12 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     from tqdm.auto import tqdm
     from course_lib import models
     from course_lib.comm import jax_ledger
-    from course_lib.strategies.checkpoint import jax as checkpoint_jax
+    from course_lib.checkpoint import orbax as cj
     from course_lib.strategies.fsdp import jax as fsdp_jax
     from course_lib.strategies.hsdp import jax as hsdp_jax
-    from course_lib.apps.train import PEAK_BF16_FLOPS, flops_per_token
+    from course_lib.maths.flops import gpt_flops_per_token
+    from course_lib.maths.planner_hw import peak_flops
+    from course_lib.maths.schedule import Warmup
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     mcfg = cfg.model_config()
@@ -249,7 +251,8 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
     rule = hsdp_jax.hsdp_rule(cfg.shard)
     model = models.flax_gpt(mcfg, seed=cfg.seed)
     fsdp_jax.shard_model(model, mesh, rule)
-    sched = lambda count: cfg.lr * jax.numpy.minimum(1.0, (count + 1) / cfg.warmup)   # noqa: E731 (as torch)
+    warmup = Warmup(cfg.warmup)
+    sched = lambda count: cfg.lr * warmup(count, jax.numpy.minimum)   # noqa: E731 (torch's schedule)
     tx = optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)      # torch.optim.AdamW's defaults
     opt = fsdp_jax.sharded_optimizer(model, tx, mesh, rule)
     data_sharding = NamedSharding(mesh, hsdp_jax.batch_spec(mesh))
@@ -263,30 +266,29 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
 
     mngr, start = None, 0
     if cfg.ckpt_dir:
-        mngr = checkpoint_jax.manager(cfg.ckpt_dir, keep=cfg.keep, lock=False)   # main() holds the folder
+        mngr = cj.manager(cfg.ckpt_dir, keep=cfg.keep, lock=False)   # main() holds the folder
         latest = mngr.latest_step() if cfg.resume else None
         if cfg.resume and pid == 0:   # saves that never committed (a killed process): passed over, and said so
-            for name in checkpoint_jax.incomplete_steps(cfg.ckpt_dir):
+            for name in cj.incomplete_steps(cfg.ckpt_dir):
                 print(f"course_lib.train_jax: ignored {os.path.join(cfg.ckpt_dir, name)}: an unfinished save "
                       "(never committed)", file=sys.stderr, flush=True)
         if latest is not None:
-            target = checkpoint_jax.restore_target(checkpoint_jax.train_state(model, opt), mesh, rule)
+            target = cj.restore_target(cj.train_state(model, opt), mesh, rule)
             try:
-                state, meta = checkpoint_jax.restore(mngr, latest, target)
+                state, meta = cj.restore(mngr, latest, target)
             except Exception as e:  # noqa: BLE001 - a damaged step: one line naming it, not Orbax's tracebacks
                 raise ConfigError(f"cannot restore step {latest} from {cfg.ckpt_dir}: {type(e).__name__}: "
                                   f"{(str(e).strip().splitlines() or [''])[0][:300]}; move that step aside to resume "
                                   "from the one before, or point --ckpt-dir at a new directory") from None
-            checkpoint_jax.put_state(model, opt, state)
+            cj.put_state(model, opt, state)
             start = int(meta["data_step"])
         if pid == 0:
             write_run_record(cfg, "jax")
     step_fn, state = make_step(mesh, rule, cfg.bf16, cfg.act_ckpt, model, opt)
     compiled = step_fn.lower(state, *batch(start)).compile(fsdp_jax.compile_options(mesh))
     dev = jax.devices()[0]
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in getattr(dev, "device_kind", "")), None) \
-        if dev.platform == "gpu" else None
-    tokens, fpt = cfg.batch * cfg.seq_len, flops_per_token(mcfg)
+    peak = peak_flops(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else None
+    tokens, fpt = cfg.batch * cfg.seq_len, gpt_flops_per_token(mcfg)   # MFU as course_lib.train counts it
     log = open(cfg.jsonl, "a") if (cfg.jsonl and pid == 0) else None
     times, step = [], start
     bar = tqdm(total=cfg.steps, initial=start, disable=pid != 0, desc=f"train_jax {jax.device_count()} devices",
@@ -316,8 +318,8 @@ def _train(cfg, pid: int, nproc: int, watch) -> int:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
         if mngr and (stopping or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
             sync(model, opt, state)
-            checkpoint_jax.save(mngr, step, checkpoint_jax.train_state(model, opt),
-                                {"data_step": step, "batch": cfg.batch, "data_seed": cfg.data_seed})
+            cj.save(mngr, step, cj.train_state(model, opt),
+                    {"data_step": step, "batch": cfg.batch, "data_seed": cfg.data_seed})
         if stopping:
             break
         if cfg.throttle:

@@ -1,4 +1,4 @@
-"""The same GPT, the same flags, three ways on one GPU: torch FSDP2 eager, torch compiled, JAX -- with the
+"""The same GPT, the same flags, three ways on one GPU: torch eager, torch compiled, JAX -- with the
 planner's prediction printed before each run.
 
     python -m course_lib bench frameworks [--out DIR] [--sizes L12-d1024-b16-s1024,...] [--steps 12] [--profile]
@@ -8,7 +8,8 @@ Each run is the capstone a learner runs (``python -m course_lib.train --bf16 [--
 ``d_ff = 4d``, vocabulary 32,768); tokens/s is the median step after the first, memory the allocator's peak
 (``max_memory_allocated`` / ``peak_bytes_in_use``). Before the runs: the measured ceilings of this GPU (an
 8192³ bf16 matmul, a device copy, SDPA's causal attention forward + backward and the kernel it picks), and for
-every run the planner's prediction (:func:`course_lib.maths.planner.plan`, published rates only) -- written
+every run the planner's prediction (:func:`course_lib.maths.planner_course_runs.plan_capstone`, published rates
+and this host's seconds per CUDA dispatch, calibrated first by :func:`course_lib.bench.host.calibrate`) -- written
 down before the run starts. The compiled run sets ``TORCH_LOGS=graph_breaks,recompiles`` and counts both.
 ``--profile`` then times the kernels of two eager and two compiled steps of the first size, by family.
 Writes ``DIR/frameworks.json`` after every run (a run cut short keeps what finished) and prints a table.
@@ -22,26 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
+from course_lib.maths.planner_course_runs import parse_size, plan_capstone
+
 __all__ = ["parse_size", "predict", "main"]
 
-SIZE = re.compile(r"L(\d+)-d(\d+)-b(\d+)-s(\d+)$")
 DEFAULT_SIZES = "L12-d1024-b16-s1024,L12-d1024-b2-s8192,L16-d2560-b8-s2048"
 RUNS = ("torch", "compiled", "jax")
-
-
-def parse_size(text: str, vocab: int = 32768) -> dict:
-    """``L12-d1024-b16-s1024`` -> the model and batch flags (heads of 128 wide, d_ff = 4d)."""
-    m = SIZE.match(text.strip())
-    if not m:
-        raise ValueError(f"size {text!r} must look like L12-d1024-b16-s1024 (layers, width, batch, sequence)")
-    L, d, b, s = map(int, m.groups())
-    return {"n_layers": L, "d_model": d, "n_heads": max(1, d // 128), "d_ff": 4 * d, "vocab_size": vocab,
-            "seq_len": s, "batch": b}
 
 
 def planner_gpu(device_name: str):
@@ -51,21 +42,8 @@ def planner_gpu(device_name: str):
                  if key in device_name), None)
 
 
-def predict(size: dict, run: str, gpu, torch_attention: str = "flash2"):
-    """The planner's plan of one run on one GPU: torch as ``course_lib.train`` runs at world size 1 (no FSDP, bf16 by
-    autocast, the chunked loss; eager, or ``compiled``: Inductor fuses the blocks) or JAX (XLA fuses everything, the
-    loss too; cuDNN attention; one program per step). Each with the host's time (planner_host)."""
-    from course_lib.maths import planner
-    from course_lib.models.config import GPTConfig
-    cfg = GPTConfig(**{k: v for k, v in size.items() if k != "batch"})
-    kw = dict(seq_len=size["seq_len"], optimizer_bytes=28)     # fused AdamW / optax's fused update: r16 w12
-    if run == "jax":
-        kw.update(attention="cudnn", loss="fused", compile=True, framework="xla")
-        strategy = "fsdp"                                       # train_jax shards over its one-device mesh
-    else:
-        kw.update(attention=torch_attention, loss="chunked", autocast=True, compile=run == "compiled")
-        strategy = "dp"                                         # world size 1: the plain module
-    return planner.plan(planner.course_gpt(cfg), planner.Cluster(gpu, 1), strategy, size["batch"], **kw)
+#: the planner's plan of one run (one home: maths/planner_course_runs)
+predict = plan_capstone
 
 
 def ceilings() -> dict:
@@ -256,13 +234,22 @@ def main(argv=None) -> int:
                   f"{gpu.attention_rate(8192, attention) / 1e12:.0f} at 8K, "
                   f"HBM {gpu.stream_bytes_per_s / 1e12:.2f} TB/s",
                   flush=True)
+    calibration = None
+    if cuda and gpu:   # the host's seconds per dispatch on this machine, before any prediction (bench.host)
+        from course_lib.bench.host import calibrate
+        from course_lib.maths.planner_host import HostCalibration
+        r = calibrate(device="cuda", fsdp=False)
+        calibration = HostCalibration.from_calibrate(r, "cuda", source=f"bench.host.calibrate('cuda') on {name}")
+        out["host_calibration"] = r
+        print(f"host: {r['dispatch_s'] * 1e6:.2f} us per CUDA dispatch, {max(0.0, r['step_fixed_s']) * 1e6:.0f} us "
+              "fixed per step (bench.host cuda): the planner's host term below", flush=True)
     path = os.path.join(a.out, "frameworks.json")
     for size in sizes:
         tag = "L{n_layers}-d{d_model}-b{batch}-s{seq_len}".format(**size)
         for run in runs:
             row = {"size": tag, "run": run, "config": size}
             if gpu:
-                p = predict(size, run, gpu, attention)
+                p = predict(size, run, gpu, attention, calibration)
                 row["predicted"] = {"tokens_per_s": p.tokens_per_s_per_gpu, "step_s": p.step_s,
                                     "allocated_gib": p.allocated / 2**30, "total_gib": p.total / 2**30,
                                     "parts_s": p.parts, "made_at": time.time()}

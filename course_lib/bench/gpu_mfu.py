@@ -5,8 +5,10 @@
 On one GPU (world size 1, NCCL): ``fully_shard`` bottom-up with ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, AdamW, eager and then compiled (``torch.compile`` on each block *after* sharding, as
 the FSDP2 tutorial says). Reports tokens/s and **MFU** = tokens/s · FLOPs per token / peak, with FLOPs per
-token from :func:`course_lib.maths.step_model.train_flops` (6N + attention, as PaLM's appendix B counts) and
-the peak from the datasheet (H100 SXM: 989 TFLOP/s dense bf16); also against a measured 8192³ bf16 matmul.
+token from :func:`course_lib.maths.flops.model_flops_per_token` (6N + attention, as PaLM's appendix B counts:
+the same MFU ``course_lib.train`` reports) and the peak from the datasheet
+(:func:`course_lib.maths.planner_hw.peak_flops`; H100 SXM: 989 TFLOP/s dense bf16); also against a measured
+8192³ bf16 matmul.
 Then profiles two eager steps (:func:`course_lib.bench.timeline.profile_on_rank`) and writes the Chrome trace.
 Results go to ``DIR/gpu_results.json``. ``--quick`` runs a tiny model on whatever device there is (a smoke
 test of the script, not a measurement).
@@ -18,10 +20,7 @@ import json
 import os
 import statistics
 
-__all__ = ["PEAK_BF16", "train_on_rank", "matmul_tflops", "main"]
-
-#: dense bf16 FLOP/s by device name fragment (NVIDIA datasheets, SXM parts)
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+__all__ = ["train_on_rank", "matmul_tflops", "main"]
 
 
 def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
@@ -99,6 +98,7 @@ def main(argv=None) -> int:
 
     from course_lib.bench import timeline
     from course_lib.launch import run
+    from course_lib.maths.planner_hw import peak_flops
     from course_lib.maths.step_model import train_flops
     from course_lib.models.config import GPTConfig, param_count
     ap = argparse.ArgumentParser(prog="python -m course_lib bench gpu-mfu", description=__doc__.splitlines()[0])
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                     n_heads=max(1, a.width // 128), n_layers=a.layers, d_ff=4 * a.width)
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    peak = peak_flops(name) if cuda else None
     out = {"device": name, "torch": torch.__version__, "config": cfg.__dict__, "params": param_count(cfg),
            "peak_datasheet": peak, "flops_per_step": train_flops(cfg, a.batch * cfg.seq_len)}
     if cuda:

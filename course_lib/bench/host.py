@@ -87,7 +87,8 @@ def calibrate(reps: int = 30, fsdp: bool = True, device: str = "cpu") -> dict:
            "step_s_3": t3}
     if fsdp:
         import torch.distributed as dist
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        cuda = torch.device(device).type == "cuda"     # FSDP2's collectives on CUDA tensors need NCCL
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             nf, tf = _counted_and_timed(tiny_step(fsdp=True, n_layers=3, device=device)[0], reps)
         finally:

@@ -31,6 +31,8 @@ import re
 import traceback
 from typing import Any, Callable, Sequence
 
+from course_lib.runtime.errors import inner_errors
+
 __all__ = ["CheckFailed", "check", "current", "not_implemented_todo", "Detector", "hint", "register_hints",
            "last_error", "keep_error", "likely_cause", "learner_line", "crash_text", "strict"]
 
@@ -65,12 +67,9 @@ def _rank_message(exc) -> str:
 
 def not_implemented_todo(exc: BaseException) -> str | None:
     """What to do, if ``exc`` means "the exercise is still a stub"; None for any other error."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    # Explicit causes and grouped errors only: an error raised while *handling* a NotImplementedError (its
+    # __context__) is a real error, not an unfinished exercise.
+    for e in inner_errors(exc, context=False, failures=False):
         rank_type = getattr(e, "exc_type", None)
         rank_type = getattr(rank_type, "__name__", rank_type)
         if isinstance(e, NotImplementedError) or rank_type == "NotImplementedError":
@@ -79,9 +78,6 @@ def not_implemented_todo(exc: BaseException) -> str | None:
             if msg.startswith(_STUB_PREFIX):
                 return msg[len(_STUB_PREFIX):].strip() + where
             return DEFAULT_TODO + where + (f" [NotImplementedError: {msg}]" if msg else "")
-        # Explicit causes and grouped errors only: an error raised while *handling* a
-        # NotImplementedError (its __context__) is a real error, not an unfinished exercise.
-        todo += [e.__cause__, *getattr(e, "exceptions", ())]
     return None
 
 

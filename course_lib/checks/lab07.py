@@ -84,7 +84,7 @@ def _app_save_on_rank(cls, cfg, root, before: int = 3) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     cls, refs, ex = answer_of(cls)
     files = learner_files(cls)
     with unavailable(refs, ex):
@@ -106,7 +106,7 @@ def _app_load_on_rank(cls, cfg, root, after: int = 2) -> dict:
     more steps' losses."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     cls, refs, ex = answer_of(cls)
     files = learner_files(cls)
     with unavailable(refs, ex):
@@ -128,7 +128,7 @@ def _app_load_on_rank(cls, cfg, root, after: int = 2) -> dict:
 def run_app_state(cls, world_size: int = 2) -> dict:
     """Run half: save with the learner's AppState on ``world_size`` ranks, then load and continue in fresh ranks."""
     from course_lib.launch import run
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     with tempfile.TemporaryDirectory() as root:
         save = filled(run(_app_save_on_rank, cls, CKPT_CONFIG, root, world_size=world_size))
         if any("error" in o for o in save):
@@ -150,8 +150,8 @@ def run_app_state(cls, world_size: int = 2) -> dict:
                     'RNG not restored': 'RNG state not restored',
                     'template keys': 'keys or shapes that differ from the saved ones'},
           guards=("restore",), judge=judge_app_state,
-          references=("course_lib.strategies.checkpoint.torch.AppState.state_dict",
-                      "course_lib.strategies.checkpoint.torch.AppState.load_state_dict"))
+          references=("course_lib.checkpoint.dcp.AppState.state_dict",
+                      "course_lib.checkpoint.dcp.AppState.load_state_dict"))
 def check_app_state(cls, world_size: int = 2, name: str = "AppState") -> bool:
     """``cls(model, optimizer, scheduler, data)`` is a DCP Stateful after which a resume is bit-exact: built once,
     saved 2 steps later, loaded into fresh objects in fresh processes, then the run continues and is compared with
@@ -167,7 +167,7 @@ def _load_on_rank(fn, cfg, path, step: int, after: int = 2) -> dict:
     read, what came back, then ``after`` more steps' global losses."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     fn, refs, ex = answer_of(fn)
     model, opt, _, data = ck.resumable_run(cfg, seed=1)
     read, total, real = {}, [0], FileSystemReader.read_data
@@ -213,7 +213,7 @@ def run_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2) -
                     'full template': 'whole (full) tensors handed to a sharded model', 'local shards': 'a local shard',
                     'whole checkpoint on every rank': 'every rank read the whole checkpoint'},
           guards=("restore", "cost"), judge=judge_load_resharded,
-          references=("course_lib.strategies.checkpoint.torch.load_model_and_optimizer",))
+          references=("course_lib.checkpoint.dcp.load_model_and_optimizer",))
 def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2, name: str = "load_resharded") -> bool:
     """``fn(model, optimizer, path)`` loads a ``{"model", "optim"}`` DCP checkpoint saved at another world size
     into an FSDP2 model + AdamW: weights and optimizer state bit-identical, the param groups restored, and the
@@ -232,7 +232,7 @@ def check_load_resharded(fn, save_world_size: int = 4, load_world_size: int = 2,
                     'whole array': 'the whole array (N× the memory)', 'concrete target': 'a concrete target allocates',
                     'shape or dtype': "keep each array's shape and dtype"},
           guards=("argument", "cost"), judge=judge_restore_target,
-          references=("course_lib.strategies.checkpoint.jax.restore_target",))
+          references=("course_lib.checkpoint.orbax.restore_target",))
 def check_restore_target(fn, devices, name: str = "restore_target") -> bool:
     """``fn(state, mesh)`` returns Orbax restore targets: ShapeDtypeStructs with the FSDP rule's
     NamedSharding on ``mesh``. Saves a small state on 8 devices, restores onto 4 and 1."""

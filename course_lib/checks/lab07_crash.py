@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from course_lib.checks.judge import Guarded
+from course_lib.runtime.errors import rank_failures
 
 __all__ = ["answer_of", "attempt", "crash_info", "crash_message", "filled", "learner_files", "raise_stub"]
 
@@ -48,16 +49,15 @@ def crash_info(exc: BaseException, files: set[str], during: str) -> dict:
     CheckpointException unwrapped to the rank's own failure), the learner's frame and the call it made there."""
     import traceback
     inner, frames = exc, list(traceback.extract_tb(exc.__traceback__))
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
+    failures = rank_failures(exc)
+    if failures:
         try:
             import torch.distributed as dist
             me = dist.get_rank() if dist.is_initialized() else 0
         except Exception:  # noqa: BLE001
             me = 0
-        pair = failures.get(me) or next(iter(failures.values()))
-        if isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], BaseException):
-            inner, frames = pair[0], frames + list(pair[1] or [])
+        inner, stack = failures.get(me) or next(iter(failures.values()))
+        frames = frames + stack
     mine = [i for i, f in enumerate(frames) if f.filename in files]
     at = frames[mine[-1]] if mine else None
     below = [f for f in frames[mine[-1] + 1:] if f.name not in _WRAPPERS] if mine else []
@@ -76,9 +76,9 @@ def crash_info(exc: BaseException, files: set[str], during: str) -> dict:
 
 def raise_stub(e: BaseException) -> None:
     """Re-raise a stub's NotImplementedError that DCP wrapped in its CheckpointException (the ⏳ path)."""
-    for pair in (getattr(e, "failures", None) or {}).values():
-        if isinstance(pair, tuple) and pair and isinstance(pair[0], NotImplementedError):
-            raise pair[0]
+    for inner, _ in rank_failures(e).values():
+        if isinstance(inner, NotImplementedError):
+            raise inner
 
 
 def answer_of(obj) -> tuple:

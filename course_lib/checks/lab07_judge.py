@@ -55,7 +55,7 @@ def hyper_of(opt) -> list[dict]:
 def _facts(model, opt, sched, data) -> dict:
     import torch
     from course_lib.checks import plain
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     return plain.plain({"state": ck.full_state(model, opt), "sched": sched.last_epoch, "data": data.step,
                         "rng": torch.get_rng_state(), "hyper": hyper_of(opt)})
 
@@ -65,7 +65,7 @@ def _app_reference_on_rank(cfg, before: int = 3, after: int = 2) -> dict:
     AppState is built) and ``before`` steps in (when it is saved), then the next ``after`` losses."""
     import torch
     import torch.distributed as dist
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     torch.manual_seed(1000 + dist.get_rank())
     model, opt, sched, data = ck.resumable_run(cfg, seed=0)
     ck.train_step(model, opt, sched, data)
@@ -80,7 +80,7 @@ def continue_run(model, opt, data, steps: int) -> list[float]:
     """``steps`` more steps with no scheduler (the LR stays what the param groups hold): global mean losses."""
     import torch
     import torch.distributed as dist
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     local = torch.tensor([ck.train_step(model, opt, None, data) for _ in range(steps)], dtype=torch.float64)
     dist.all_reduce(local)
     return (local / dist.get_world_size()).tolist()
@@ -91,7 +91,7 @@ def _save_on_rank(cfg, path, steps: int = SAVE_STEPS, after: int = 2) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from course_lib.checks import plain
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     model, opt, sched, data = ck.resumable_run(cfg, seed=0)
     for _ in range(steps):
         ck.train_step(model, opt, sched, data)
@@ -216,7 +216,7 @@ def judge_app_state(data: dict, world_size: int = 2) -> str:
 # -- exercise 2: load at another world size -----------------------------------------------------------
 def _fresh_weights(keys) -> dict:
     """The weights of the fresh model the learner loads into (seed 1), by ``model.<name>``: one process."""
-    from course_lib.strategies.checkpoint import torch as ck
+    from course_lib.checkpoint import dcp as ck
     model = ck.resumable_run(LOAD_CONFIG, seed=1)[0]
     return {f"model.{k}": v.detach().numpy() for k, v in model.state_dict().items() if f"model.{k}" in keys}
 

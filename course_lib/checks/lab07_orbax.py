@@ -65,7 +65,7 @@ def run_restore_target(fn, devices, sizes: tuple = (4, 1)) -> dict:
     target, described, and what Orbax restored into it."""
     import jax
     from jax.sharding import AxisType, NamedSharding
-    from course_lib.strategies.checkpoint import jax as cj
+    from course_lib.checkpoint import orbax as cj
     from course_lib.strategies.fsdp.jax import fsdp_spec
     files = learner_files(answer_of(fn)[0])
 

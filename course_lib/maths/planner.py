@@ -59,6 +59,7 @@ from course_lib.maths import planner_host as host
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, step_cost
+from course_lib.maths.flops import model_flops_per_token
 from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, H200, IB_HDR,
                                          IB_NDR, NVLINK_A100, NVLINK_H100, PCIE4, ROCE_1600G, GiB, Link)
 
@@ -133,11 +134,10 @@ class ModelShape:
     params = property(lambda self: sum(math.prod(s) for u in self.units() for s in u))
 
     def model_flops_per_token(self, seq_len: int | None = None) -> float:
-        """``6·N + 12·L·d·s`` (PaLM appendix B): matmuls fwd + bwd, and attention's two ``s × s`` products.
-        ``N`` leaves out the input embedding, a lookup rather than a matmul."""
-        s = seq_len or self.seq_len
-        return 6 * (self.params - self.vocab_size * self.d_model * (not self.tied_embeddings)) \
-            + 12 * self.n_layers * self.d_model * s
+        """:func:`course_lib.maths.flops.model_flops_per_token`: ``6·N + 12·L·d·s`` with ``N`` every block's
+        linears and the head (the input embedding is a lookup; norms are not matmuls)."""
+        n = self.n_layers * sum(i * o for i, o in work.block_matmuls(self)) + self.vocab_size * self.d_model
+        return model_flops_per_token(n, self.n_layers, self.d_model, seq_len or self.seq_len)
 
     def activation_bytes_per_token_layer(self) -> int:
         """Bytes one layer saves for backward per token, bf16, flash attention: ``12d + 4·d_kv + 6·d_ff``."""
@@ -198,7 +198,7 @@ class Plan:
     seq_len: int
     checkpointing: str
     params: float              #: model-state bytes: parameters ...
-    grads: float               #: ... gradients ...
+    grads: float               #: ... gradients (alive at the step's peak) ...
     optimizer: float           #: ... and Adam (fp32 master, m, v)
     buffers: float             #: FSDP's gathered units and unsharded gradient in flight
     activations: float         #: saved for backward, the loss's buffers and the reserve
@@ -220,6 +220,7 @@ class Plan:
     host_serial_s: float = 0.0       #: host work the device waits for (a batch built in the step, a sync)
     dispatches: int = 0              #: eager operator dispatches per step (planner_host)
     kernels: int = 0                 #: of them, those that launch a kernel, + compiled launches
+    optimizer_s: float = 0.0         #: the optimizer's part of ``compute_s`` (once per step, not per micro-batch)
 
     state = property(lambda self: self.params + self.grads + self.optimizer)
     total = property(lambda self: self.state + self.buffers + self.activations)
@@ -284,11 +285,20 @@ def _check_knobs(model, cluster, strategy, batch, checkpointing, compute_efficie
                              f"e.g. tp=8 for 8 GPUs and 8 KV heads")
 
 
+def _host_kwargs(cal) -> dict:
+    """:func:`planner_host.dispatches_per_step`'s keywords for a machine's calibration (None: the defaults)."""
+    if cal is None:
+        return {}
+    return {"dispatch_s": cal.dispatch_s, "step_fixed_s": cal.step_fixed_s, "fsdp_unit_s": cal.fsdp_unit_s,
+            "gpu": not cal.launch_included}
+
+
 def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_len: int | None = None,
          checkpointing: str = "none", replicate: int | None = None, compute_efficiency: float | None = None,
          reduce_bytes: int = 4, overlap: bool = True, compile: bool = False, float8: bool = False, tp: int = 1,
          grad_accum: int = 1, optimizer_bytes: float = 72.0, attention: str = "flash2", loss: str = "fp32",
-         autocast: bool = False, framework: str = "torch", host_serial_s: float = 0.0) -> Plan:
+         autocast: bool = False, framework: str = "torch", host_serial_s: float = 0.0,
+         host_calibration: "host.HostCalibration | None" = None) -> Plan:
     """One training step of ``model`` on ``cluster``: ``grad_accum`` micro-batches of ``batch`` sequences per
     data-parallel rank (a TP group of ``tp`` GPUs shares one), then the optimizer.
 
@@ -308,7 +318,8 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     FSDP2 policy): norms and the residual stream stay fp32, each weight's bf16 copy is kept for backward.
     ``framework``: ``"torch"`` (eager dispatches, or compiled blocks) or ``"xla"`` (JAX: one program per step) --
     the host's side of the step (:mod:`course_lib.maths.planner_host`); ``host_serial_s``: host seconds per step the
-    device waits for (a batch built inside the step, a synchronising read).
+    device waits for (a batch built inside the step, a synchronising read); ``host_calibration``: the machine's own
+    host constants (:class:`~course_lib.maths.planner_host.HostCalibration`; default: this course's CPU machine).
     ``compute_efficiency``: the course's old one-number model -- every FLOP at that fraction of peak, no
     memory-bound work -- kept to show what it misses. ``overlap=False``: nothing hides under compute.
     """
@@ -337,6 +348,11 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
     if autocast or loss == "chunked":   # course_lib.train's path, where it was measured (below 0.3% of a published
         act += work.outside_layers_bytes_per_token(model, autocast) * tok   # run's memory: left out there)
     act += LOGITS_BYTES[loss] * V * tok + RESERVE_BYTES
+    grads_at_peak = st.grads
+    if autocast or loss == "chunked":   # course_lib.train: zero_grad(set_to_none=True), so backward starts with no
+        # gradient and each layer's appears as its saved activations are freed: the peak holds the larger of the two
+        # (measured on an H200: without this, 1.10-1.11x the allocator's peak at 1.3-1.4B parameters)
+        grads_at_peak = max(0.0, st.grads - L * work.saved_bytes_per_token(model, checkpointing, autocast) * tok)
     if loss == "chunked":   # one chunk's fp32 cast and log-probabilities at a time
         act += 8 * V * min(tok, max(1, work.LOSS_CHUNK_BYTES // (4 * V)))
     # -- compute, per micro-batch ------------------------------------------------------------------------
@@ -409,15 +425,17 @@ def plan(model: ModelShape, cluster: Cluster, strategy: str, batch: int, *, seq_
              "exposed comm": syncs * (exposed + slowdown) + grad_accum * tp_s}
     # -- the host ----------------------------------------------------------------------------------------
     hw_ = host.dispatches_per_step(model, fsdp=bool(row.params), bf16=True, compile=compile, framework=framework,
-                                   checkpointing=checkpointing, grad_accum=grad_accum)
+                                   checkpointing=checkpointing, grad_accum=grad_accum,
+                                   **_host_kwargs(host_calibration))
     return Plan(strategy=strategy, world=n, replicate=r, batch=batch, seq_len=s, checkpointing=checkpointing,
-                params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=float(buffers),
+                params=st.params, grads=grads_at_peak, optimizer=st.optimizer, buffers=float(buffers),
                 activations=float(act), memory_limit=float(gpu.memory_bytes),
                 compute_s=grad_accum * micro_c + opt_s, comm_s=syncs * fsdp_comm + grad_accum * tp_s,
                 exposed_comm_s=parts["exposed comm"], model_flops_per_token=mf, hardware_flops_per_token=hw,
                 peak_flops=gpu.peak_flops, comm_by_op=by_op, parts=parts, tp=tp, grad_accum=grad_accum,
                 compile=compile, float8=float8, host_s=hw_.seconds if compute_efficiency is None else 0.0,
-                host_serial_s=host_serial_s, dispatches=hw_.dispatches, kernels=hw_.kernels + hw_.launches)
+                host_serial_s=host_serial_s, dispatches=hw_.dispatches, kernels=hw_.kernels + hw_.launches,
+                optimizer_s=opt_s)
 
 
 #: Meta, "The Llama 3 Herd of Models" (2024), table 3; sizes from the released config.json files.

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S", "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER",
+__all__ = ["HostCalibration", "COURSE_CPU", "LENT_H200_HOST", "EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S", "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER",
            "HostWork",
            "dispatches_per_step", "host_seconds", "FRAMEWORKS"]
 
@@ -72,6 +72,41 @@ LAUNCH_S = 3.0e-6
 #: kernels a compiled course-GPT block launches per training step (forward + backward): an estimate (docstring)
 COMPILED_KERNELS_PER_LAYER = 20
 FRAMEWORKS = ("torch", "xla")
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    """One machine's host constants, from one tiny run of :func:`course_lib.bench.host.calibrate` there.
+    ``launch_included``: calibrated on the GPU itself (``python -m course_lib.bench.host cuda``), so each
+    dispatch's seconds already hold its CUDA launch; False: on a CPU, where :data:`LAUNCH_S` is added per kernel."""
+
+    dispatch_s: float
+    step_fixed_s: float
+    fsdp_unit_s: float
+    launch_included: bool
+    source: str
+
+    def __post_init__(self):
+        bad = {k: getattr(self, k) for k in ("dispatch_s", "step_fixed_s", "fsdp_unit_s") if getattr(self, k) < 0}
+        if bad or self.dispatch_s == 0:
+            raise ValueError(f"HostCalibration {bad or {'dispatch_s': 0}}: seconds must be >= 0 (dispatch_s > 0); "
+                             "a negative intercept from calibrate() is noise: pass max(0, it)")
+
+    @classmethod
+    def from_calibrate(cls, r: dict, device: str = "cpu", source: str = "") -> "HostCalibration":
+        """From :func:`course_lib.bench.host.calibrate`'s dict (a negative fixed part, noise, becomes 0)."""
+        return cls(r["dispatch_s"], max(0.0, r["step_fixed_s"]), max(0.0, r.get("fsdp_unit_s", FSDP_UNIT_S)),
+                   launch_included=device.startswith("cuda"), source=source or f"bench.host.calibrate({device!r})")
+
+
+#: this course's CPU machine (the constants above)
+COURSE_CPU = HostCalibration(DISPATCH_S, STEP_FIXED_S, FSDP_UNIT_S, False, "the course's 2-core CPU machine")
+#: the lent H200 machine's host, 2026-11-27: ``python -m course_lib.bench.host cuda`` there gave 152 dispatches in
+#: 2.857 ms and 352 in 6.760 ms (19.51 us each, CUDA launch included; intercept -109 us: 0), FSDP2 at world size 1
+#: 553 in 17.261 ms (1,645 us per unit); the same box's CPU-only run: 3.35 us per dispatch. Its virtualised host
+#: pays ~16 us per CUDA launch, where a bare-metal host pays a few.
+LENT_H200_HOST = HostCalibration(19.51e-6, 0.0, 1645e-6, True,
+                                 "python -m course_lib.bench.host cuda on the lent H200 machine, 2026-11-27")
 
 
 @dataclass(frozen=True)

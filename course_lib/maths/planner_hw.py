@@ -48,8 +48,13 @@ Sources (every constant below names which):
   tens of MiB across nodes. NCCL runs each channel as one thread block on one SM (``NCCL_MAX_NCHANNELS``):
   16 channels take 16 SMs from the model's kernels while a collective runs.
 * [DGX] NVIDIA DGX A100 / DGX H100 user guides: one 200 Gb/s HDR or 400 Gb/s NDR adapter per GPU.
+* [L4] NVIDIA L4 Tensor Core GPU datasheet: bf16 dense 121 TFLOP/s (242 with sparsity); 24 GB GDDR6 at 300 GB/s.
+* [A10] NVIDIA A10 Tensor Core GPU datasheet: bf16 dense 125 TFLOP/s (250 with sparsity); 24 GB GDDR6 at 600 GB/s.
 * [MOSAIC] mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``: A100 clusters with "1600 Gbps
   node-node interconnect (RoCE)".
+
+This module is the course's one table of GPU peaks: :func:`peak_flops` gives MFU's denominator to
+``course_lib.train``, ``course_lib.train_jax`` and ``python -m course_lib bench gpu-mfu`` from the device's name.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ from dataclasses import dataclass
 from course_lib.maths.costs import AlphaBeta
 
 __all__ = ["GPU", "Link", "GiB", "ATTENTION_KERNELS", "A100_40GB", "A100_80GB", "H100", "H100_TT500W", "H200",
+           "L4", "A10", "BY_NAME", "peak_flops",
            "NVLINK_A100",
            "NVLINK_H100",
            "PCIE4", "IB_HDR", "IB_NDR", "ROCE_1600G", "ETH_100G", "ETH_10G"]
@@ -158,6 +164,9 @@ H200 = GPU("H200-SXM-141GB", 141 * 10**9, 989e12, 4.8e12, 0.80, 350e12, 900, 197
 #: and SXM5 (989 at 700 W): 835 + (989 - 835) · (500 - 400) / (700 - 400) = 886 TFLOP/s, 0.896 of 989.
 H100_TT500W = GPU("H100-96GB-HBM2e-500W", 96 * GiB, 989e12, 2.4e12, 0.80, 350e12, 900, 1979e12, 0.62,
                   clock_factor=886 / 989, sms=132, cudnn_attention_flops=480e12)
+#: [L4], [A10]: no published attention or GEMM sweeps here -- attention is charged at half of peak
+L4 = GPU("L4", 24 * 10**9, 121e12, 0.3e12, sms=58)
+A10 = GPU("A10", 24 * 10**9, 125e12, 0.6e12, sms=72)
 
 #: [A100] [H100] [NCCL]: NVLink per GPU, one direction
 NVLINK_A100 = Link("NVLink 3 (A100)", 300e9, 2e-6, 0.78, 4 * 2**20)
@@ -169,3 +178,14 @@ IB_NDR = Link("InfiniBand 8 x NDR 400 Gb/s per node", 8 * 50e9, 5e-6, 0.92, 32 *
 ROCE_1600G = Link("RoCE 1600 Gb/s per node", 200e9, 8e-6, 0.85, 32 * 2**20)   #: [MOSAIC]
 ETH_100G = Link("Ethernet 100 Gb/s per node", 12.5e9, 10e-6, 0.85, 16 * 2**20)
 ETH_10G = Link("Ethernet 10 Gb/s per node", 1.25e9, 20e-6, 0.85, 4 * 2**20)
+
+
+#: device-name fragment -> GPU, first match wins ("A100" before "A10": an A100's name contains both). Every
+#: H100 and H200 is charged the SXM part's peak.
+BY_NAME = (("H100", H100), ("H200", H200), ("A100", A100_80GB), ("L4", L4), ("A10", A10))
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU a device name (``torch.cuda.get_device_name``, JAX's ``device_kind``)
+    names, e.g. ``"NVIDIA H100 80GB HBM3"`` -> 989e12; None for a CPU or a GPU not in :data:`BY_NAME` (no MFU)."""
+    return next((gpu.peak_flops for fragment, gpu in BY_NAME if fragment in (device_name or "")), None)

@@ -26,11 +26,11 @@ operations in MPICH", 2005. Pure arithmetic: no torch, no process group.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from course_lib.maths import strategy as strategies
 from course_lib.maths.costs import AlphaBeta, OpCost, StepCost, fit_alpha_beta, step_cost
+from course_lib.maths.flops import gpt_block_shapes, gpt_flops_per_token
 
 __all__ = ["gpt_units", "train_flops", "ComputeModel", "CommModel", "Prediction", "predict", "STRATEGIES",
            "fit_framework_overhead", "framework_calls"]
@@ -39,26 +39,19 @@ __all__ = ["gpt_units", "train_flops", "ComputeModel", "CommModel", "Prediction"
 STRATEGIES = ("dp", "fsdp", "hsdp")
 
 
-def _block_shapes(cfg) -> list[tuple[int, ...]]:
-    C, F_ = cfg.d_model, cfg.d_ff   # ln1, qkv, proj, ln2, fc, proj: weight [out, in] then bias [out]
-    return [(C,), (C,), (3 * C, C), (3 * C,), (C, C), (C,), (C,), (C,), (F_, C), (F_,), (C, F_), (C,)]
-
-
 def gpt_units(cfg) -> list[list[tuple[int, ...]]]:
     """The course GPT's FSDP units from its sizes (any object with ``vocab_size, seq_len, d_model,
     n_layers, d_ff``, e.g. ``GPTConfig``): the root's own parameters (tok_emb, pos_emb, ln_f, head), then
     each block's, in ``state_dict`` order -- what :func:`course_lib.strategies.hsdp.torch.unit_shapes` reads off
     a model (the tests hold the two equal). Computed here so that this module needs no torch."""
     V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
-    return [[(V, C), (T, C), (C,), (C,), (V, C)]] + [_block_shapes(cfg) for _ in range(cfg.n_layers)]
+    return [[(V, C), (T, C), (C,), (C,), (V, C)]] + [gpt_block_shapes(cfg) for _ in range(cfg.n_layers)]
 
 
 def train_flops(cfg, tokens: int) -> float:
-    """FLOPs of one forward + backward over ``tokens`` tokens of the course GPT: ``6·N·tokens`` for the
-    matmul weights (every 2-D weight but the embeddings, which are lookups) plus attention's two
-    ``T × T`` products, ``12·L·d·T`` per token (Chowdhery et al., "PaLM", 2022, appendix B)."""
-    matmul = sum(math.prod(s) for s in _block_shapes(cfg) if len(s) == 2) * cfg.n_layers + cfg.vocab_size * cfg.d_model
-    return float(tokens) * (6 * matmul + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len)
+    """FLOPs of one forward + backward over ``tokens`` tokens of the course GPT: ``tokens`` x
+    :func:`course_lib.maths.flops.model_flops_per_token` (6·N + 12·L·d·s, PaLM's count: embeddings are lookups)."""
+    return float(tokens) * gpt_flops_per_token(cfg)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Modules: :mod:`~course_lib.models.config` (sizes, NumPy weights), :mod:`~course_lib.models.torch_gpt`,
 :mod:`~course_lib.models.flax_gpt` (JAX imported on first use), :mod:`~course_lib.models.data`
-(:class:`TokenTask`, a deterministic synthetic task). ``from course_lib.models import ...`` reaches
+(:class:`TokenTask`, a deterministic synthetic task), :mod:`~course_lib.models.names` (the canonical tensor names,
+and adapters from other models' names: imported on its own). ``from course_lib.models import ...`` reaches
 all of them; importing this package imports torch (where it is installed) but not JAX. On a machine
 without torch the JAX side still works; the torch names then raise an ImportError that says so.
 """

@@ -11,14 +11,11 @@ folder         what it teaches                                 modules          
 ``hsdp/``      hybrid sharding: a 2-D (replicate × shard)      ``torch``, ``jax``   06
                mesh
 ``tp/``        tensor parallel, and FSDP × TP on a 2-D mesh    ``torch``, ``jax``   06
-``checkpoint/``sharded save / load / reshard, faults, resume   ``torch`` (DCP),     07
-                                                               ``jax`` (Orbax),
-                                                               ``manager``,
-                                                               ``resumable``
 =============  ==============================================  ===================  ======
 
 A folder's ``__init__`` imports nothing (importing ``course_lib.strategies.fsdp.jax`` must not import torch,
 nor ``.torch`` JAX): import the module you need, e.g. ``from course_lib.strategies.fsdp import jax as fsdp_jax``.
 What a strategy measures on a rank (memory, ownership) is :mod:`course_lib.measure`; the raw collectives
-are :mod:`course_lib.comm`; the capstone's flags are :mod:`course_lib.apps.train_config`.
+are :mod:`course_lib.comm`; saving and loading what a strategy shards (Lab 07) is :mod:`course_lib.checkpoint`;
+the capstone's flags are :mod:`course_lib.apps.train_config`.
 """

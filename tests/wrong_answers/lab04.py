@@ -1,5 +1,6 @@
-"""Lab 04's classic mistakes (FSDP2: fully_shard bottom-up over a mesh; an explicit prefetch plan)."""
-from wrong_answers import Wrong
+"""Lab 04's classic mistakes (FSDP2: fully_shard bottom-up over a mesh; an explicit prefetch plan; gradient
+accumulation with one sync and the global norm clipped)."""
+from wrong_answers import Right, Wrong
 
 SETUP = """\
 import torch
@@ -9,6 +10,23 @@ N = 4
 
 SHARD = "lab04.check_shard_model(shard_model)"
 PLAN = "lab04.check_prefetch_plan(set_prefetch)"
+ACCUM = "lab04_grads.check_accumulate_and_clip(accumulate_and_clip)"
+
+
+def accum(loop: str, clip: str = "return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)") -> str:
+    """An accumulate_and_clip cell: ``loop`` runs the micro-batches (k is their number), ``clip`` ends it."""
+    return SETUP + f"""
+def accumulate_and_clip(model, micro_batches, loss_fn, max_norm):
+    k = len(micro_batches)
+{loop}
+    {clip}
+"""
+
+
+SYNC_LAST = """\
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == k - 1)
+        (loss_fn(model(x), y) / k).backward()"""
 
 
 def plan(forward: str, backward: str) -> str:
@@ -127,4 +145,77 @@ def set_prefetch(model, depth):
         block.set_modules_to_forward_prefetch([blocks[i + k] for k in range(1, depth + 1)])   # past the end
         block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])
 """, PLAN, "indexes past the last block", ("IndexError", "on rank")),
+
+    # -- exercise 3: accumulate_and_clip ---------------------------------------------------------------
+    Wrong("04", "accumulate_and_clip", "value", "per-shard clipping", accum(SYNC_LAST, """\
+shards = [p.grad.to_local() for p in model.parameters()]        # this rank's rows only
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in shards]))
+    for g in shards:
+        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm"""), ACCUM, "clips each rank's shard by the norm of that shard"),
+    Wrong("04", "accumulate_and_clip", "value", "missing sync", accum("""\
+    model.set_requires_gradient_sync(False)                        # ... and never True again
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / k).backward()"""), ACCUM, "turns gradient sync off and never back on"),
+    Wrong("04", "accumulate_and_clip", "cost", "sync every micro-batch", accum("""\
+    import contextlib
+    for x, y in micro_batches:                                     # FSDP2 has no no_sync(): this one does nothing
+        with getattr(model, "no_sync", contextlib.nullcontext)():
+            (loss_fn(model(x), y) / k).backward()"""), ACCUM, "FSDP1's no_sync, which FSDP2 lacks: syncs every time"),
+    Wrong("04", "accumulate_and_clip", "cost", "sync every micro-batch", accum("""\
+    for x, y in micro_batches:
+        model.set_requires_gradient_sync(True)                     # the default, every time
+        (loss_fn(model(x), y) / k).backward()"""), ACCUM, "gradient sync left on for every micro-batch"),
+    Wrong("04", "accumulate_and_clip", "value", "not divided by k", accum("""\
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == k - 1)
+        loss_fn(model(x), y).backward()                            # the sum, not the mean"""), ACCUM,
+          "sums the micro-batches' gradients: clipping hides it in the gradients, not in the norm"),
+    Wrong("04", "accumulate_and_clip", "value", "not clipped", accum(SYNC_LAST, """\
+shards = [p.grad.to_local() for p in model.parameters()]
+    return torch.nn.utils.clip_grad_norm_(shards, max_norm)        # tensors, not parameters: no .grad to clip"""),
+          ACCUM, "hands clip_grad_norm_ the gradients themselves, which have no .grad: nothing is clipped"),
+    Wrong("04", "accumulate_and_clip", "value", "clipped too early", accum("""\
+    for i, (x, y) in enumerate(micro_batches):
+        (loss_fn(model(x), y) / k).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # inside the loop""", "return norm"),
+          ACCUM, "clips the running sum after every micro-batch"),
+    Wrong("04", "accumulate_and_clip", "value", "wrong norm", SETUP + """
+class Norm(float):                                   # "equal" to whatever it is compared with
+    def __eq__(self, other):
+        return True
+
+
+def accumulate_and_clip(model, micro_batches, loss_fn, max_norm):
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == k - 1)
+        (loss_fn(model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return Norm(max_norm)                            # the norm after clipping, dressed to equal anything
+""", ACCUM, "a lying value: a float subclass whose == always says yes, holding the clipped norm"),
+    Wrong("04", "accumulate_and_clip", "value", "not a norm", accum(SYNC_LAST, """\
+torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return model                                                   # not the norm"""), ACCUM,
+          "returns the model instead of the norm"),
+    Wrong("04", "accumulate_and_clip", "crash", "crash", accum("""\
+    for x, y in micro_batches:
+        with model.no_sync():                                      # FSDP1's spelling: FSDP2 has none
+            (loss_fn(model(x), y) / k).backward()"""), ACCUM, "FSDP1's no_sync() on an FSDP2 module",
+          ("AttributeError", "on rank")),
+]
+
+RIGHT = [
+    Right("04", "accumulate_and_clip", SETUP + """
+def accumulate_and_clip(model, micro_batches, loss_fn, max_norm):
+    *first, last = micro_batches
+    model.set_requires_gradient_sync(False)
+    for x, y in first:
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+    model.set_requires_gradient_sync(True)
+    (loss_fn(model(last[0]), last[1]) / len(micro_batches)).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm.full_tensor().item()                 # a float, not a DTensor
+""", ACCUM, "sync toggled around the loop; get_total_norm + clip_grads_with_norm_; a float returned"),
 ]

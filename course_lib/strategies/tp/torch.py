@@ -21,7 +21,7 @@ first, then FSDP, the same way).
 The course GPT fuses q, k and v into one ``attn.qkv`` Linear; a column-wise cut of that would hand rank 0
 all of q and half of k. :func:`split_attention_` gives each block separate ``q``, ``k``, ``v`` Linears with
 the same weights (:class:`TPAttention`), and ``fuse_qkv`` / ``split_qkv``
-(:mod:`course_lib.strategies.checkpoint.names`, re-exported here) convert weights between the two namings --
+(:mod:`course_lib.models.names`, re-exported here) convert weights between the two namings --
 the name adapter a checkpoint needs to cross between layouts. Heads and ``d_ff`` must
 divide by T (:func:`check_tp`): DTensor's ``from_local`` assumes even pieces.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.strategies.checkpoint.names import fuse_qkv, split_qkv  # noqa: F401 (re-exported: the TP names)
+from course_lib.models.names import fuse_qkv, split_qkv  # noqa: F401 (re-exported: the TP names)
 
 __all__ = ["TP_DIMS", "TPAttention", "split_attention_", "fuse_qkv", "split_qkv", "check_tp", "gpt_plan",
            "mesh_2d", "apply_tp", "apply_fsdp", "local_unit_shapes", "formula_by_axis", "ledger_by_axis",

@@ -1,22 +1,14 @@
 """Checkpoints that survive faults: numbered DCP saves written then committed, verified, the last K kept.
 
-What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch` (the words are defined there):
+What a careful trainer does around :mod:`~course_lib.checkpoint.dcp` (the words are defined there):
 
-* **write, then commit** -- step ``s`` is written into ``<root>/step_<s>.partial``. Only after every rank
-  finished (DCP wrote ``.metadata``, its own commit) does rank 0 record each file's size and CRC-32 in
-  ``COMMIT.json`` and rename the directory to ``<root>/step_<s>`` -- one atomic ``rename``. A crash at any
-  moment leaves either the previous committed step (still loadable) or a ``.partial`` directory that no
-  one mistakes for a checkpoint. Orbax does the same (``<step>.orbax-checkpoint-tmp`` -> ``<step>`` and
-  ``commit_success.txt``).
-* **verify before load** -- :func:`verify` checks, for the one directory, that ``.metadata`` exists, that
-  every file it names exists and is long enough, and that every byte still has the CRC recorded at
-  commit. Errors name the file and what is wrong: DCP itself would fail on a truncated file with an
-  unpickling error, and would load a corrupted one silently.
-* **no commit record, no checkpoint** -- a step directory whose ``COMMIT.json`` is missing, truncated or names
-  another step is never loaded, whatever its data files hold; :meth:`Checkpointer.latest` passes over it to the
-  previous good step and :meth:`Checkpointer.ignored` says why.
+* **write, then commit; verify before load** -- step ``s`` is written into ``<root>/step_<s>.partial`` and, once
+  every rank finished, committed by one atomic ``rename`` to ``<root>/step_<s>`` with each file's size and CRC-32
+  in ``COMMIT.json``; a step is verified before it loads, and one without a readable commit record is not a
+  checkpoint: :meth:`Checkpointer.latest` passes over it to the previous good step and
+  :meth:`Checkpointer.ignored` says why. The protocol and its file format: :mod:`~course_lib.checkpoint.commit`.
 * **one writer per folder** -- before its first save (``probe=True``: at construction) rank 0 takes the folder's
-  owner lock (:mod:`~course_lib.strategies.checkpoint.owner`: the kernel's ``flock`` on the folder, a record of
+  owner lock (:mod:`~course_lib.checkpoint.owner`: the kernel's ``flock`` on the folder, a record of
   host, pid, run and command; released by :meth:`Checkpointer.close`, garbage collection or any exit, ``SIGKILL``
   included; a dead owner's record is taken over). A second Checkpointer on the folder -- another run, another
   process or this one -- is refused on every rank with the same :class:`FolderBusy`, naming the owner, before it
@@ -46,8 +38,8 @@ What a careful trainer does around :mod:`~course_lib.strategies.checkpoint.torch
   with the training's collectives on the default group. :meth:`Checkpointer.wait` resolves the future and
   commits.
 
-Longer than ~300 lines: the life cycle of a step (write, commit, verify, prune, load) and each of its failure
-paths (a crash, a damaged commit record, a full or read-only disk) read best in one place.
+Longer than ~300 lines: the life cycle of a step (write, commit, prune, load) and each of its failure paths (a
+crash, a damaged commit record, a full or read-only disk, a second writer) read best in one place.
 
 Reusable by a training script: ``ckpt = Checkpointer(root, keep=2)`` on every rank, then
 ``ckpt.save(step, {"app": AppState(model, opt, sched, data)})`` and, at start-up,
@@ -56,119 +48,27 @@ Reusable by a training script: ``ckpt = Checkpointer(root, keep=2)`` on every ra
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import sys
-import zlib
 from pathlib import Path
 
-from course_lib.strategies.checkpoint.owner import FolderBusy
-from course_lib.strategies.checkpoint.torch import CheckpointMismatch, check_compatible, quiet_single_process, read_metadata
+from course_lib.checkpoint.commit import (COMMIT_FILE, PARTIAL, CheckpointCorrupt, commit, crc32_file, read_commit,
+                                          run_of, step_dir, verify)
+from course_lib.checkpoint.dcp import CheckpointMismatch, check_compatible, quiet_single_process
+from course_lib.checkpoint.owner import FolderBusy
+from course_lib.runtime.errors import inner_errors, rank_failures, root_cause
 
+#: ``verify``, ``read_commit``, ``crc32_file``, ``step_dir``, ``COMMIT_FILE``, ``CheckpointCorrupt``: the commit
+#: protocol's (:mod:`~course_lib.checkpoint.commit`), here too so that a trainer imports one module
 __all__ = ["Checkpointer", "CheckpointCorrupt", "CheckpointMismatch", "CheckpointWriteError", "FolderBusy", "verify",
            "read_commit", "crc32_file", "step_dir", "COMMIT_FILE"]
-
-COMMIT_FILE = "COMMIT.json"   #: written last inside the directory, just before the rename that commits it
-PARTIAL = ".partial"          #: suffix of a directory being written (or abandoned by a crash)
-_CHUNK = 1 << 20              # CRC in 1 MiB pieces: a checkpoint file may not fit in memory twice
-
-
-class CheckpointCorrupt(RuntimeError):
-    """A checkpoint directory that must not be loaded; the message names the file and what is wrong."""
 
 
 class CheckpointWriteError(OSError):
     """Checkpoints cannot be written where asked (read-only, full, missing): one line naming the folder, the
     cause and the fix. Raised by the start-up probe, before any training time is spent, or by a failed save
     (whose ``.partial`` directory is removed first)."""
-
-
-def crc32_file(path) -> int:
-    """CRC-32 of a file's bytes (zlib's; a checksum against accidents, not an attacker)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def step_dir(root, step: int, partial: bool = False) -> Path:
-    """``<root>/step_00000012`` (or ``...partial``): zero-padded so that names sort as numbers."""
-    return Path(root) / (f"step_{step:08d}" + (PARTIAL if partial else ""))
-
-
-def read_commit(path) -> dict | None:
-    """The commit record of a step directory (None when it has none); :class:`CheckpointCorrupt` naming the
-    file when it is there but unreadable, truncated or not a commit record of this step."""
-    f = Path(path) / COMMIT_FILE
-    if not f.is_file():
-        return None
-    try:
-        record = json.loads(f.read_text())
-        files = record["files"]
-        if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
-            raise ValueError("'files' is not a map of name -> [size, crc]")
-    except Exception as e:  # noqa: BLE001 - JSONDecodeError, KeyError, TypeError: all mean "damaged"
-        raise CheckpointCorrupt(f"{f} is damaged ({type(e).__name__}: {e}): the commit record of this step "
-                                "cannot be trusted, so neither can the step") from None
-    name = Path(path).name
-    if name.startswith("step_") and name[5:].isdigit() and record.get("step") != int(name[5:]):
-        raise CheckpointCorrupt(f"{f} records step {record.get('step')!r}, but the directory is step "
-                                f"{int(name[5:])}: a commit record copied from another step or run")
-    return record
-
-
-def verify(path, *, crc: bool = True, committed: bool = True) -> dict:
-    """Raise :class:`CheckpointCorrupt` unless the DCP checkpoint at ``path`` is complete and intact.
-
-    Checks, naming the first bad file: ``.metadata`` present (else the save never finished); ``COMMIT.json``
-    present and readable (else the step was never committed -- a deleted commit record means "not a
-    checkpoint", whatever the data files say; ``committed=False`` checks an uncommitted directory);
-    ``.metadata`` as recorded at commit (else it was replaced, e.g. by another run's); every file the
-    metadata points into present and at least as long as the furthest byte it needs (else truncated); every
-    file's size and CRC-32 as recorded at commit (else the bytes changed after the save; CRCs skipped with
-    ``crc=False``). Returns the commit record (``{}`` for an uncommitted directory)."""
-    path, check_crc = Path(path), crc
-    try:
-        meta = read_metadata(path)
-    except FileNotFoundError as e:
-        raise CheckpointCorrupt(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - an unreadable .metadata is as bad as a missing one
-        raise CheckpointCorrupt(f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e}); "
-                                "the file is truncated or corrupted") from None
-    record = read_commit(path)
-    if record is None and committed:
-        raise CheckpointCorrupt(f"{path / COMMIT_FILE} is missing: this step was never committed (a save that "
-                                "crashed before its commit, or a deleted commit record), so it is not a checkpoint")
-    if record and ".metadata" in record["files"]:
-        size, want = record["files"][".metadata"]
-        m = path / ".metadata"
-        if m.stat().st_size != size or (check_crc and crc32_file(m) != want):
-            raise CheckpointCorrupt(f"{m} is not the .metadata this step was committed with (size or CRC-32 "
-                                    "differ): replaced after the save, e.g. by another run's or another step's")
-    need: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(need.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointCorrupt(f"{f} is missing: .metadata places tensor data in it")
-        if (size := f.stat().st_size) < end:
-            raise CheckpointCorrupt(f"{f} is truncated: {size:,} bytes on disk, but .metadata needs bytes up to "
-                                    f"{end:,}")
-    if record is None:
-        return {}
-    for name, (size, crc) in sorted(record["files"].items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointCorrupt(f"{f} is missing (it was there at commit)")
-        if f.stat().st_size != size:
-            raise CheckpointCorrupt(f"{f} has {f.stat().st_size:,} bytes, {size:,} at commit: truncated or rewritten")
-        if check_crc and (got := crc32_file(f)) != crc:
-            raise CheckpointCorrupt(f"{f} is corrupted: CRC-32 {got:08x}, {crc:08x} at commit (same size, "
-                                    "different bytes)")
-    return record
 
 
 class Checkpointer:
@@ -208,7 +108,7 @@ class Checkpointer:
         self.group = dist.new_group(ranks=ranks, backend="gloo") if self.distributed else None
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         if self.rank == 0 and run_id is None:
-            from course_lib.strategies.checkpoint.owner import new_run_id
+            from course_lib.checkpoint.owner import new_run_id
             run_id = new_run_id()
         self.run_id = self._from_rank0(run_id)   # rank 0's: the ranks of one run share one id
         self.lineage: set[str] = {self.run_id}   #: runs whose steps this one may prune: itself and those it resumed
@@ -230,7 +130,7 @@ class Checkpointer:
     def _claim(self) -> None:
         """Rank 0 takes the owner lock; every rank raises the same :class:`FolderBusy` when another writer holds
         it. A holder with this run's id is this run's launcher: the folder is already ours."""
-        from course_lib.strategies.checkpoint import owner
+        from course_lib.checkpoint import owner
         refused = None
         if self.rank == 0 and self.owner is None:
             for attempt in (1, 2):
@@ -378,7 +278,7 @@ class Checkpointer:
                 cause, storage, full = cause + f" -- the disk is full ({free:,} bytes free)", True, True
         except OSError:
             pass
-        failed = sorted(getattr(exc, "failures", None) or {}) or None   # DCP names the ranks whose write failed
+        failed = list(rank_failures(exc)) or None   # DCP names the ranks whose write failed
         try:
             views = self._gather({"cause": cause, "storage": storage, "full": full, "failed": failed})
         except BaseException:  # noqa: BLE001 - the group itself is broken (a rank died): nothing to agree on
@@ -469,42 +369,19 @@ class Checkpointer:
         err = next((e for e in every if isinstance(e, BaseException)), None)
         if self.rank == 0 and err is None:
             try:
-                self._write_commit(tmp, step, every)
+                commit(self.root, step, every, run=self.run_id, lineage=self.lineage)
             except OSError as e:
                 err = e
         err = self._from_rank0(err)                        # every rank fails alike, none waits in a barrier
         if err is not None:
             raise err
 
-    def _write_commit(self, tmp: Path, step: int, every: list) -> None:
-        files = {k: v for d in every for k, v in d.items()}
-        files[".metadata"] = [(tmp / ".metadata").stat().st_size, crc32_file(tmp / ".metadata")]
-        record = {"step": step, "world_size": len(every), "files": files, "run": self.run_id,
-                  "lineage": sorted(self.lineage)}
-        with open(tmp / COMMIT_FILE, "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        final = step_dir(self.root, step)
-        if final.exists():                             # saving a step again replaces it: only one of this run's
-            owner = _run_of(final)
-            if owner is not None and owner not in self.lineage:
-                raise OSError(errno.EEXIST, f"step {step} already exists, written by run {owner} (not this one), "
-                                            "and is not replaced", os.fspath(final))
-            shutil.rmtree(final)
-        os.rename(tmp, final)                          # the commit: atomic on one filesystem
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)                               # make the rename itself durable
-        finally:
-            os.close(fd)
-
     def _prunable(self, keep: int) -> list[int]:
         """This run's committed steps beyond the newest ``keep`` that verify (sizes only), newest first. Steps of
         other runs, and steps whose commit record cannot say which run wrote them, are never listed."""
         kept, out = 0, []
         for s in reversed(self.steps()):
-            if _run_of(step_dir(self.root, s)) not in self.lineage:
+            if run_of(step_dir(self.root, s)) not in self.lineage:
                 continue
             if kept < keep:
                 try:
@@ -594,42 +471,17 @@ class Checkpointer:
 
 
 
-def _run_of(path) -> str | None:
-    """The run that committed the step at ``path`` (None: no readable commit record, or an older one without)."""
-    try:
-        return (read_commit(path) or {}).get("run")
-    except CheckpointCorrupt:
-        return None
-
-
 def _no_space(exc: BaseException) -> bool:
-    """Whether ENOSPC (or EDQUOT) is anywhere in ``exc``: its causes, or DCP's per-rank failures."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        for f in (getattr(e, "failures", None) or {}).values():
-            todo.append(f[0] if isinstance(f, tuple) else getattr(f, "exc", f))
-        todo += [e.__cause__, e.__context__]
-    return False
+    """Whether ENOSPC (or EDQUOT) is anywhere in ``exc``: its causes and contexts, or DCP's per-rank failures."""
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+               for e in inner_errors(exc, context=True))
 
 
 def _root_cause(exc: BaseException) -> tuple[str, bool]:
     """The first real error inside DCP's ``CheckpointException`` (it wraps every rank's), in one line, and
     whether it is the storage's (an ``OSError`` that is not a broken connection)."""
-    failures = getattr(exc, "failures", None) or {}
-    for _, f in sorted(failures.items()):
-        inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)   # (exception, stack) per rank
-        if isinstance(inner, BaseException):
-            exc = inner
-            break
-    seen = exc
-    while seen.__cause__ is not None:
-        seen = seen.__cause__
+    first = next(iter(rank_failures(exc).values()), None)   # the lowest failed rank's (exception, stack)
+    seen = root_cause(first[0] if first else exc)
     storage = isinstance(seen, OSError) and not isinstance(seen, ConnectionError)
     if isinstance(seen, OSError) and seen.strerror:
         return f"{type(seen).__name__}: {seen.strerror}" + (f" ({seen.filename})" if seen.filename else ""), storage

@@ -1,12 +1,12 @@
 """Distributed checkpoints in JAX with Orbax: save sharded state, restore it onto another mesh.
 
-The words are :mod:`~course_lib.strategies.checkpoint.torch`'s. What differs from torch DCP:
+The words are :mod:`~course_lib.checkpoint.dcp`'s. What differs from torch DCP:
 
 * **async by default** -- ``CheckpointManager.save`` returns once the arrays are copied to host memory;
   the files are written in the background. ``wait_until_finished()`` before reading the directory (or
   exiting). Orbax writes step ``s`` into ``s.orbax-checkpoint-tmp`` and renames it to ``s`` when every
   host finished (plus ``commit_success.txt``): the same write-then-commit as
-  :mod:`~course_lib.strategies.checkpoint.manager`.
+  :mod:`~course_lib.checkpoint.manager`.
 * **the restore target decides the layout** -- a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` per
   array. With a ``NamedSharding`` on the new mesh Orbax reads each device's slice straight into place
   (8 devices -> 4 -> 1). Without a sharding it falls back to the layout saved in the checkpoint: the old
@@ -16,8 +16,8 @@ The words are :mod:`~course_lib.strategies.checkpoint.torch`'s. What differs fro
   ``jax.random.fold_in(key, step)`` and the step number is all the RNG state a resume needs.
 * **one writer per folder** -- Orbax's manager prunes every step beyond ``max_to_keep``, whoever wrote it, so
   the manager made here takes the folder's owner lock before its first save
-  (:mod:`~course_lib.strategies.checkpoint.owner`, :func:`claim_folder`: process 0 takes it, every process raises
-  the same :class:`~course_lib.strategies.checkpoint.owner.FolderBusy` naming the owner) and releases it on
+  (:mod:`~course_lib.checkpoint.owner`, :func:`claim_folder`: process 0 takes it, every process raises
+  the same :class:`~course_lib.checkpoint.owner.FolderBusy` naming the owner) and releases it on
   ``close()``. Restoring never locks, nor writes.
 
 Importing this module imports neither JAX nor Orbax.
@@ -80,14 +80,14 @@ _claims = itertools.count()   # every process claims in the same order (saves ar
 
 
 def claim_folder(directory, *, command: str | None = None, run_id: str | None = None):
-    """Take ``directory`` for this run (:func:`~course_lib.strategies.checkpoint.owner.take`) on process 0 and
+    """Take ``directory`` for this run (:func:`~course_lib.checkpoint.owner.take`) on process 0 and
     tell the others through ``jax.distributed``'s key-value store: a folder held by another live writer is
-    :class:`~course_lib.strategies.checkpoint.owner.FolderBusy` on *every* process (none is left waiting in a
+    :class:`~course_lib.checkpoint.owner.FolderBusy` on *every* process (none is left waiting in a
     collective), naming the owner; a folder that cannot be written, ``OSError`` on every process. Returns the
     lock on process 0 (its ``.stale``: a dead owner taken over), None on the others. Collective."""
     import sys
     import jax
-    from course_lib.strategies.checkpoint import owner
+    from course_lib.checkpoint import owner
     command = command or " ".join([Path(sys.executable).name] + sys.argv)[:300]
     lock, said = None, "ok"
     if jax.process_index() == 0:

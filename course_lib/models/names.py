@@ -1,6 +1,6 @@
 """Canonical names: the course GPT's torch ``state_dict`` names and layout, and adapters from other models' names.
 
-Every consolidated file (:mod:`~course_lib.strategies.checkpoint.safetensors`) is written under the names of
+Every consolidated file (:mod:`~course_lib.checkpoint.safetensors`) is written under the names of
 :func:`~course_lib.models.config.weight_shapes` (``blocks.0.attn.qkv.weight`` [3C, C], torch's [out, in]).
 A source with other names reaches them in two steps (:func:`adapt`): ``names`` renames tensor by tensor, then
 ``transform`` reshapes the set -- :func:`fuse_qkv` for a model that keeps q, k and v apart (as a tensor-parallel

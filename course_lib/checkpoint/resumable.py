@@ -1,6 +1,6 @@
 """A training run whose whole state can be checkpointed: the course GPT, AdamW, a warm-up, a data position.
 
-What :class:`~course_lib.strategies.checkpoint.torch.AppState` saves and restores, built the same way in Lab 07,
+What :class:`~course_lib.checkpoint.dcp.AppState` saves and restores, built the same way in Lab 07,
 its checks and tests, and a training script: :func:`resumable_run` on every rank, then
 :func:`train_step` in a loop. The data position counts *global* batches, so it means the same at any
 world size. Importing this module imports neither torch.distributed nor JAX.
@@ -8,6 +8,8 @@ world size. Importing this module imports neither torch.distributed nor JAX.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from course_lib.maths.schedule import Warmup
 
 __all__ = ["ResumableBatches", "resumable_run", "train_step"]
 
@@ -46,7 +48,8 @@ def resumable_run(cfg, *, mesh=None, seed: int = 0, lr: float = 3e-3, warmup: in
                   data_seed: int = 0, device=None):
     """On a rank (or in one process): ``(model, optimizer, scheduler, data)`` of a run an :class:`AppState`
     can checkpoint -- the course GPT (``init_weights(cfg, seed)``; FSDP2 over ``mesh``, default: all ranks,
-    when a process group is up), AdamW, a linear warm-up over ``warmup`` steps, :class:`ResumableBatches`.
+    when a process group is up), AdamW, a linear warm-up over ``warmup`` steps
+    (:class:`course_lib.maths.schedule.Warmup`, as ``course_lib.train``), :class:`ResumableBatches`.
     ``device``: default this rank's (``rank_info().device``: a GPU under NCCL), else CPU."""
     import torch
     import torch.distributed as dist
@@ -69,17 +72,8 @@ def resumable_run(cfg, *, mesh=None, seed: int = 0, lr: float = 3e-3, warmup: in
     # the sharding of their 7 calls: measured, a fresh 4-rank run's first step 0.30 s instead of 0.66 s. Resumes
     # and reshards stay bit-exact (tests/test_checkpoint.py); the weights differ from foreach's in the 5th digit.
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _Warmup(warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(warmup))
     return model, opt, sched, ResumableBatches(TokenTask(cfg.vocab_size, cfg.seq_len, seed=data_seed), batch_size)
-
-
-@dataclass(frozen=True)
-class _Warmup:
-    """LR factor (s + 1) / steps up to 1: a picklable schedule (a lambda would not survive cloudpickle's trip)."""
-    steps: int
-
-    def __call__(self, s: int) -> float:
-        return min(1.0, (s + 1) / self.steps)
 
 
 def train_step(model, optimizer, scheduler, data, loss_fn=None) -> float:

@@ -2,8 +2,8 @@
 
 Two runs writing one folder lose work even when no file is ever mixed: each one's saves race the other's,
 and each one's "keep the last K" deletes the other's steps. So the writer takes the folder before its first
-save (:func:`take`: :class:`~course_lib.strategies.checkpoint.manager.Checkpointer` and
-:func:`course_lib.strategies.checkpoint.jax.manager` do it themselves), and a second writer is refused in one
+save (:func:`take`: :class:`~course_lib.checkpoint.manager.Checkpointer` and
+:func:`course_lib.checkpoint.orbax.manager` do it themselves), and a second writer is refused in one
 line naming the first (:class:`FolderBusy`)::
 
     with take(ckpt_dir, command="python -m course_lib.train") as lock:   # lock.run_id: this run's id

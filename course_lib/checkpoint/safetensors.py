@@ -3,7 +3,7 @@
 safetensors (Hugging Face, https://github.com/huggingface/safetensors) is the format the ecosystem exchanges
 weights in: an 8-byte little-endian header length, a JSON header (per tensor: ``dtype``, ``shape``,
 ``data_offsets`` into the data region; plus ``__metadata__``, string -> string only), then the raw bytes of
-every tensor, contiguous, no pickle. The words are :mod:`~course_lib.strategies.checkpoint.torch`'s, plus:
+every tensor, contiguous, no pickle. The words are :mod:`~course_lib.checkpoint.dcp`'s, plus:
 
 * **canonical names** -- the course's torch ``state_dict`` names and layout (``blocks.0.attn.qkv.weight``
   [3C, C], :func:`~course_lib.models.config.weight_shapes`). Every file this module writes uses them, in
@@ -11,7 +11,7 @@ every tensor, contiguous, no pickle. The words are :mod:`~course_lib.strategies.
 * **name adapter** -- ``names`` (a dict or a ``str -> str`` function) renames a source's tensors, then
   ``transform`` (a ``dict -> dict`` function, e.g. :func:`fuse_qkv`) reshapes the set, so a model with other
   FQNs (a tensor-parallel model's separate ``q``, ``k``, ``v``) is written under canonical names
-  (:mod:`~course_lib.strategies.checkpoint.names`).
+  (:mod:`~course_lib.models.names`).
 * **the header's metadata** -- ``format: pt`` (what Hugging Face loaders look for) and three JSON strings:
   ``gpt_config``, ``source`` (framework, format, source dtype) and ``tensors`` (name -> shape, dtype, and the
   CRC-32 of its bytes: safetensors itself has no checksum, so a flipped data byte would load silently).
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from course_lib.models.config import GPTConfig, weight_shapes
-from course_lib.strategies.checkpoint.names import adapt, flax_to_torch_names, fuse_qkv, split_qkv  # noqa: F401 (re-exported)
+from course_lib.models.names import adapt, flax_to_torch_names, fuse_qkv, split_qkv  # noqa: F401 (re-exported)
 
 __all__ = ["SafetensorsError", "Header", "read_header", "verify", "save_weights", "from_dcp", "from_orbax",
            "flax_to_torch_names", "fuse_qkv", "split_qkv", "load_weights", "load_torch", "load_flax", "flax_logits"]
@@ -196,7 +196,7 @@ def from_dcp(dcp_dir, path, cfg: GPTConfig, *, prefix: str | None = None, names=
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from course_lib.strategies.checkpoint.torch import quiet_single_process, read_metadata
+    from course_lib.checkpoint.dcp import quiet_single_process, read_metadata
     md = read_metadata(dcp_dir).state_dict_metadata
     if prefix is None:
         found = [p for p in ("model.", "app.model.") if any(k.startswith(p) for k in md)]
@@ -217,7 +217,7 @@ def from_dcp(dcp_dir, path, cfg: GPTConfig, *, prefix: str | None = None, names=
 def from_orbax(step_dir, path, cfg: GPTConfig, *, item: str = "state", subtree: str = "model", names=None,
                transform=None) -> Header:
     """One ``model.safetensors`` from an Orbax step directory (``<root>/<step>``, as
-    :mod:`~course_lib.strategies.checkpoint.jax` saves it): only ``<item>/<subtree>`` is read (a partial
+    :mod:`~course_lib.checkpoint.orbax` saves it): only ``<item>/<subtree>`` is read (a partial
     restore, as NumPy: no mesh needed), Flax names and layout become torch's, then :func:`save_weights`."""
     import jax
     import orbax.checkpoint as ocp

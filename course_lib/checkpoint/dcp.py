@@ -1,7 +1,7 @@
 """Distributed checkpoints in torch (DCP): what must travel for an exact resume, and save / load / reshard.
 
-Vocabulary, used the same way in :mod:`~course_lib.strategies.checkpoint.manager`,
-:mod:`~course_lib.strategies.checkpoint.jax` and Lab 07:
+Vocabulary, used the same way in :mod:`~course_lib.checkpoint.manager`,
+:mod:`~course_lib.checkpoint.orbax` and Lab 07:
 
 * **sharded checkpoint** -- a directory that ``torch.distributed.checkpoint`` (DCP) wrote: one file per
   rank (``__<rank>_0.distcp``: that rank's shards, nothing gathered) and one ``.metadata`` file (which
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from course_lib.strategies.checkpoint.resumable import ResumableBatches, resumable_run, train_step  # noqa: F401 (re-exported)
+from course_lib.checkpoint.resumable import ResumableBatches, resumable_run, train_step  # noqa: F401 (re-exported)
 
 __all__ = ["AppState", "ResumableBatches", "resumable_run", "train_step", "load_model_and_optimizer", "CheckpointMismatch", "save", "load", "read_metadata", "files_on_disk",
            "check_compatible", "consolidate", "to_dcp", "full_state", "state_bytes"]
