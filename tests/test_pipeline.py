@@ -73,6 +73,10 @@ def test_scratch_pipeline_equals_one_process_and_holds_what_the_schedule_says(p,
         outs = launch.run(ppt.scratch_step, cfg, kind, world_size=p, timeout=120)
         _check_grads(cfg, outs)
         assert [o["peak_held"] for o in outs] == [schedule.peak_activations(x) for x in schedule.orders(kind, p, m)]
+        rows = cfg.batch // m         # per micro-batch a stage of 2 (Linear, Tanh) blocks saves its input and the
+        for s, o in enumerate(outs):  # 2 Tanh outputs (the second Linear's input is the first Tanh's output)
+            assert o["activation_bytes"] == 3 * rows * cfg.d * 4, (s, o["activation_bytes"])
+            assert o["peak_activation_bytes"] == o["peak_held"] * o["activation_bytes"]
         assert [[(k, i) for k, i, _, _ in o["events"]] for o in outs] == schedule.orders(kind, p, m)
 
 

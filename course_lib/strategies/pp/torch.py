@@ -84,12 +84,17 @@ def run_schedule(stage: nn.Module, order: list[Op], x: torch.Tensor | None, y: t
     rank order. ``x``: the micro-batches (m, rows, d), used by stage 0 for its inputs and by every stage for the
     activation shape; ``y``: the targets, used by the last stage. Returns plain data: the losses (last stage), the
     op timeline ``[(kind, mb, start, end)]`` in ``time.perf_counter`` seconds (one clock for every process on a
-    machine), the peak number of micro-batches whose activations were held, and each parameter's gradient."""
+    machine), the peak number of micro-batches whose activations were held, the bytes autograd saved for one
+    micro-batch's backward (``saved_tensors_hooks``: each tensor once, weights left out) and the peak of those bytes
+    over the step, and each parameter's gradient."""
     s, p = dist.get_rank(group), dist.get_world_size(group)
     glob = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
     m = x.shape[0]
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # mb -> (stage input, stage output or loss)
     sends, events, losses, peak = [], [], {}, 0
+    weights = {q.untyped_storage().data_ptr() for q in stage.parameters()}
+    act_bytes: dict[int, int] = {}                              # mb -> bytes autograd saved for its backward
+    live = peak_bytes = 0
     for kind, i in order:
         if kind == "F":
             if s == 0:
@@ -99,7 +104,17 @@ def run_schedule(stage: nn.Module, order: list[Op], x: torch.Tensor | None, y: t
                 dist.recv(inp, src=glob(s - 1), group=group)
                 inp.requires_grad_(True)
             t0 = time.perf_counter()
-            out = stage(inp)
+            saved: dict[tuple[int, int], int] = {}              # (address, numel) -> bytes: each tensor once
+
+            def pack(t, saved=saved):
+                if t.untyped_storage().data_ptr() not in weights:   # the weights are saved too, but held anyway
+                    saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = stage(inp)
+            act_bytes[i] = sum(saved.values())
+            live += act_bytes[i]
+            peak_bytes = max(peak_bytes, live)
             if s == p - 1:
                 out = _loss(out, y[i], m)
                 losses[i] = float(out.detach()) * m
@@ -109,6 +124,7 @@ def run_schedule(stage: nn.Module, order: list[Op], x: torch.Tensor | None, y: t
             peak = max(peak, len(held))
         elif kind == "B":
             inp, out = held.pop(i)
+            live -= act_bytes[i]
             if s == p - 1:
                 t0 = time.perf_counter()
                 out.backward()
@@ -128,6 +144,7 @@ def run_schedule(stage: nn.Module, order: list[Op], x: torch.Tensor | None, y: t
         raise ValueError(f"stage {s}: micro-batches {sorted(held)} ran forward but never backward; every ('F', i) "
                          "needs its ('B', i)")
     return {"losses": [losses[i] for i in sorted(losses)], "events": events, "peak_held": peak,
+            "activation_bytes": act_bytes.get(0, 0), "peak_activation_bytes": peak_bytes,
             "grads": {n: q.grad.detach().clone() for n, q in stage.named_parameters()}}   # the full model's names
 
 
