@@ -239,7 +239,7 @@ def pytest_runtest_setup(item):
 #: labs/ notebooks that nbval does not collect: tests/test_labs_wrong_answers.py runs each of them top to bottom
 #: as shipped, exercise cells aside (a wrong answer there, and the fallback a stub would take too), so a second,
 #: plain run would repeat ~200 s of the suite. labs/07 and 08 have no whole-lab wrong-answer run: nbval runs them.
-LABS_RUN_ELSEWHERE = tuple(f"{n:02d}_" for n in (*range(7), 9))
+LABS_RUN_ELSEWHERE = tuple(f"{n:02d}_" for n in (*range(7), 9, 10))
 
 
 def pytest_ignore_collect(collection_path, config):

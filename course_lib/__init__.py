@@ -31,7 +31,10 @@ module lives::
                fingerprint (a parameter's exact bits in 8 bytes: drifted replicas), nonfinite (where a NaN/inf
                was born: a forward hook on every module), dispatches (torch ops of a step, counted)
   strategies/  one folder per parallelism, torch and JAX side by side:
-               dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax}
+               dp/ {torch}, zero/ {torch}, fsdp/ {scratch, torch, jax}, hsdp/ {torch, jax}, tp/ {torch, jax},
+               pp/ {schedule (GPipe and 1F1B orders, their timeline and bubble), torch (send/recv and pipelining), jax},
+               cp/ {torch (ring attention with send/recv; torch's context_parallel probed), jax (ring with ppermute)},
+               ep/ {routing (top-k, capacity, the dispatch matrix), torch (all_to_all_single), jax (all_to_all)}
   checkpoint/  dcp (torch DCP: save / load / reshard), orbax (JAX), commit (write, commit by one rename,
                verify), manager (numbered steps, the last K kept, faults agreed), owner (one writer per folder:
                an fcntl lock), resumable (a run whose whole state saves), safetensors (one file for torch and
@@ -42,7 +45,8 @@ module lives::
                lab00 ... labNN, lab04_grads (Lab 04's gradient accumulation and clipping exercise), lab06_tp (Lab 06's
                PyTorch tensor-parallel exercise), lab07_judge, lab07_orbax,
                lab07_crash (Lab 07's judge halves, its Orbax exercise, a rank's crash as plain data)
-  widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg
+  widgets/     base, ownership (who owns which slice), traffic (what each collective moved), timeline_svg,
+               dimensions (Lab 10: a pipeline's timeline, an all-to-all's matrix)
   authoring/   labs (solution -> lab), validate, run (run-solutions), nbgrader (each lab as an nbgrader
                source notebook), lab_time (each lab's stated run time)
   bench/       wire (bytes on the wire, α-β sweep), launch, launch_kernel (fresh kernel: course vs accelerate), fsdp (ours vs FSDP2 vs DDP), step_time

@@ -1,4 +1,4 @@
-"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, Labs 00-06 and 09.
+"""A wrong answer never breaks the rest of the lab, and its check names the mistake: one test, Labs 00-06, 09 and 10.
 
 Each lab is executed top to bottom, as a learner would run it, with exercises' stubs replaced by plausible
 wrong answers and checks in lab mode (``COURSE_LIB_STRICT_CHECKS=0``): every cell must run (the lab falls
@@ -9,8 +9,8 @@ finds each exercise's cell; this file holds only the wrong answers.
 These runs are also the labs' "as received" runs: the root ``conftest.py`` leaves ``labs/00``-``06`` out of
 nbval's collection, since each is executed here top to bottom as shipped except for its exercise cells (a stub
 and a wrong answer take the same fallback: the check returns False). Each check's ⏳ for a stub is asserted by
-its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shipped under nbval. Lab 09's wrong
-answers are picked from its held-out catalogue (``tests/wrong_answers/lab09.py``), one per exercise.
+its unit tests (``tests/test_labNN_checks.py``); labs/07 and 08 still run as shipped under nbval. Lab 09's and Lab 10's
+wrong answers are picked from their held-out catalogues (``tests/wrong_answers/lab09.py``, ``lab10.py``), one per exercise.
 """
 from __future__ import annotations
 
@@ -223,6 +223,8 @@ def _from_catalogue(lab: str, picks: dict[str, str]) -> list[tuple]:
 WRONG += _from_catalogue("04", {"accumulate_and_clip": "per-shard clipping"})
 WRONG += _from_catalogue("09", {"hang_report": "outermost frame", "diverged_ranks": "not the first parameter",
                                 "first_nonfinite": "list order", "spec_fix": "replicated state"})
+WRONG += _from_catalogue("10", {"one_f_one_b": "GPipe order", "bubble_fraction": "relative to useful time",
+                                "ring_merge": "overflow", "dispatch_counts": "dropped counted"})
 LABS = sorted({lab for lab, *_ in WRONG})
 
 

@@ -50,10 +50,11 @@ def _namespace() -> dict:
     import torch
 
     from course_lib import checks
-    from course_lib.checks import lab00, lab01, lab02, lab03, lab04, lab04_grads, lab05, lab06, lab06_tp, lab07, lab08, lab09
+    from course_lib.checks import (lab00, lab01, lab02, lab03, lab04, lab04_grads, lab05, lab06, lab06_tp, lab07, lab08,
+                                   lab09, lab10)
     ns = {"__name__": "__main__", "math": math, "np": np, "torch": torch, "checks": checks}
     ns.update({m.__name__.rsplit(".", 1)[1]: m for m in (lab00, lab01, lab02, lab03, lab04, lab04_grads, lab05, lab06,
-                                                           lab06_tp, lab07, lab08, lab09)})
+                                                           lab06_tp, lab07, lab08, lab09, lab10)})
     return ns
 
 

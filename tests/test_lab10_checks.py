@@ -1,0 +1,59 @@
+"""Lab 10's exercise checks: right answers pass, stubs say "not implemented yet", and the cases are what the checks
+say they are. The wrong answers, by kind of mistake, are in tests/wrong_answers/lab10.py
+(tests/test_wrong_answer_kinds.py runs them against these checks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.checks import lab10
+from course_lib.strategies.ep import routing
+from course_lib.strategies.pp import schedule
+
+
+def stub(*args):
+    raise NotImplementedError("Exercise not done yet: the idea goes here")
+
+
+@pytest.mark.parametrize("check, right", [
+    (lab10.check_one_f_one_b, lab10.reference_one_f_one_b),
+    (lab10.check_bubble_fraction, lab10.reference_bubble_fraction),
+    (lab10.check_ring_merge, lab10.reference_ring_merge),
+    (lab10.check_dispatch_counts, lab10.reference_dispatch_counts),
+], ids=["one_f_one_b", "bubble_fraction", "ring_merge", "dispatch_counts"])
+def test_right_answer_passes_and_stub_waits(check, right, capsys):
+    name = check.exercise.name
+    assert check(right) is True
+    assert f"✅ {name}:" in capsys.readouterr().out
+    assert check(stub) is False
+    out = capsys.readouterr().out
+    assert f"⏳ {name}: not implemented yet — the idea goes here" in out
+    assert "The check will test:" in out and f'checks.hint("{name}")' in out
+
+
+def test_the_one_f_one_b_cases_include_fewer_micro_batches_than_stages_and_one_stage():
+    assert any(m < p - 1 for p, m in lab10.ONE_F_ONE_B_CASES) and any(p == 1 for p, _ in lab10.ONE_F_ONE_B_CASES)
+
+
+def test_the_large_score_merge_case_overflows_a_naive_exp():
+    """The case exists to catch weights written as exp(lse): its lse really is past float32's exp range."""
+    from course_lib.strategies.cp.torch import block_attention
+    q, _, _, ks, vs = lab10._merge_inputs(1)
+    _, lse = block_attention(q, ks[0], vs[0])
+    assert float(lse.max()) > 89 and torch.isinf(lse.exp()).any()
+
+
+def test_every_dispatch_case_drops_copies_and_the_first_two_tell_rows_from_columns():
+    for k, (_, world, E, _, _, cap, _) in enumerate(lab10.DISPATCH_CASES):
+        ids = lab10.dispatch_inputs(k)
+        kept = routing.dispatch_matrix(ids, E, world, cap)
+        assert sum(map(sum, kept)) < sum(t.numel() for t in ids), f"case {k} drops nothing"
+    for k in (0, 1):
+        m = routing.dispatch_matrix(lab10.dispatch_inputs(k), lab10.DISPATCH_CASES[k][2], lab10.DISPATCH_CASES[k][1],
+                                    lab10.DISPATCH_CASES[k][5])
+        assert m != [list(c) for c in zip(*m)]
+
+
+def test_the_bubble_judge_measures_the_simulated_timeline():
+    for p, m in lab10.BUBBLE_CASES:
+        assert lab10._measured_bubble(p, m) == pytest.approx(schedule.bubble_fraction(p, m), rel=1e-12)
