@@ -275,3 +275,24 @@ def test_no_solution_shows_a_stray_value():
                 if text in ("True", "False", "None") or text.startswith("<function "):
                     stray.append(f"{Path(path).name} cell {i}: {text[:40]}")
     assert stray == [], f"stray values shown: {stray}"
+
+
+@pytest.mark.parametrize("folder", ["labs", "solutions"])
+def test_a_lab_downloaded_alone_says_what_it_needs(folder):
+    """A learner who downloads one .ipynb (from the site) has no course_lib: the setup cell must stop with one
+    sentence that names the repository and `make lab`, not a bare "No module named 'course_lib'"."""
+    import sys as _sys
+    import nbformat as _nbf
+    for path in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        nb = _nbf.read(path, as_version=4)
+        cell = next(c for c in nb.cells if c.cell_type == "code" and "import course_lib" in c.source)
+        head = cell.source.split("import course_lib")[0] + "import course_lib" + \
+            cell.source.split("import course_lib")[1].split(") from None")[0] + ") from None"
+        saved = _sys.modules.get("course_lib")
+        _sys.modules["course_lib"] = None          # what a machine without the repository sees
+        try:
+            with pytest.raises(ModuleNotFoundError) as err:
+                exec(compile(head, str(path), "exec"), {})
+        finally:
+            _sys.modules["course_lib"] = saved
+        assert "course's repository" in str(err.value) and "make lab" in str(err.value), path.name

@@ -86,7 +86,7 @@ _UNSCORED = re.compile(r"no prediction written \([^)]*\); ")
 _STRAY = re.compile(r"<function [\w.<>]+ at 0x[0-9a-f]+>")
 #: what a lab downloaded alone lacks (the site says it beside every download)
 NEEDS_REPO = ("A lab's first cell imports course_lib, the course's library, which is in the repository, not in the "
-              ".ipynb: run alone, the lab stops there with \"No module named 'course_lib'\".")
+              ".ipynb: run alone, the lab stops there and says so (\"this lab needs the course's repository\").")
 _LEARNER_TIME = re.compile(r"\*\*Time:\*\*\s*~?\s*(\d+(?:\.\d+)?)\s*(min|h)\b([^.]*)")
 
 
