@@ -15,10 +15,12 @@ private names borrowed across modules). Lowest first, each with what it may impo
                link rates, cited), planner_work (FLOPs and bytes per token and op), planner_host (the host's
                time: dispatches per step x seconds per dispatch), planner_runs (published
                runs: calibration and validation sets)                                     <- runtime, comm
-  launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
-               rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
-               every rank), cell_output (a %%ranks cell's output: live, then grouped), kernel_exit (a kernel
-               that ran ranks shuts down at once)
+  launch/      pool (run a notebook function on N ranks), preflight (run()'s checks; run under torchrun),
+               forkserver (the torch and the jax fork server; which one a call needs), preload (a fork server's
+               imports), store_dirs (where ranks meet), verdict (a failed call's error), rank (the rank side),
+               results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on every rank),
+               cell_output (the ranks' output, labelled: live, then grouped), kernel_exit (a kernel that ran
+               ranks shuts down at once)
                  <- runtime, comm, maths
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask)  <- runtime, comm, maths
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),

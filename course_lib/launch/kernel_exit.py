@@ -46,12 +46,15 @@ def install(stop_pools: Callable[[], object]) -> bool:
 
 
 def stop_helpers() -> None:
-    """Stop multiprocessing's fork server, then its resource tracker, if this process started them, and reap them.
+    """Stop the fork servers (:func:`.forkserver.stop_all`: the torch and the jax one, and multiprocessing's own),
+    then the resource tracker, if this process started them, and reap them.
 
     ``_stop()`` is CPython's own way to do it (3.8+; its tests use it): close the pipe the helper watches, then
-    wait for the helper to exit. The fork server goes first: it holds the tracker's pipe too."""
-    from multiprocessing import forkserver, resource_tracker
-    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+    wait for the helper to exit. The fork servers go first: they hold the tracker's pipe too."""
+    from multiprocessing import forkserver as mp_forkserver, resource_tracker
+    from course_lib.launch import forkserver
+    forkserver.stop_all()
+    for helper in (mp_forkserver._forkserver, resource_tracker._resource_tracker):
         stop = getattr(helper, "_stop", None)
         if stop is not None:
             stop()
