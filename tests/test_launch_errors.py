@@ -14,7 +14,7 @@ import pytest
 
 from course_lib import launch
 from course_lib.launch import RankError
-from course_lib.launch import pool
+from course_lib.launch import pool, results
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,10 @@ torch call never waits for JAX:
   is done; at the end of that cell it is replaced by one with the full list (:func:`after_first_cell`). A server
   no rank came from yet is stopped; one that has ranks stays (they die with it) until the kernel shuts down.
 * the **jax** server preloads the torch list plus ``PRELOAD["jax"]``. In a kernel it starts the moment the kernel
-  imports JAX (an import hook, :class:`_JaxImportHook`), so its imports overlap the kernel's; elsewhere at the
-  first call that needs it.
+  imports JAX (an import hook, :class:`_JaxImportHook`), so its imports overlap the kernel's -- or at
+  ``import course_lib``, instead of the torch server and like it with torch alone first, when that cell imports
+  JAX too (then a torch call runs on its ranks until a torch server is asked for: none is started for it);
+  elsewhere at the first call that needs it.
 
 Which server a call needs (:func:`needs`): ``"jax"`` when the pickled call -- the function by value, its globals,
 closures, arguments, and the names its code uses, which include every module it imports -- names a module of
@@ -22,9 +24,8 @@ in an importable module) imports or reads one in its own code, or when a ``%%ran
 (:func:`source_needs`); else ``"torch"``. Not followed: the functions such a function calls in turn. A torch call on ranks forked from the jax server runs as it is (they
 have torch); a JAX call on ranks from the torch server restarts them from the jax server (``%%ranks`` says so).
 
-Each server is CPython's own :class:`multiprocessing.forkserver.ForkServer` (its listener, "alive" pipe and pid;
-these private fields are read here only), one instance per kind instead of the module's single one; ranks are
-:class:`RankProcess` objects, whose ``Popen`` asks the server chosen in :meth:`Server.start_process`.
+Each server is CPython's own :class:`multiprocessing.forkserver.ForkServer` (its private fields are read here only),
+one instance per kind; a :class:`RankProcess`'s ``Popen`` asks the server chosen in :meth:`Server.start_process`.
 """
 from __future__ import annotations
 
@@ -165,9 +166,7 @@ class Server:
         self._fs = _mp_forkserver.ForkServer()
         self._fs.set_forkserver_preload(["course_lib.launch.preload"])   # imports $PRELOAD_ENV, collector paused
 
-    @property
-    def pid(self):
-        return self._fs._forkserver_pid
+    pid = property(lambda self: self._fs._forkserver_pid)
 
     def ensure_running(self) -> "Server":
         """Start it now if it is not running (cheap if it is): its imports then overlap the caller's."""
@@ -212,11 +211,13 @@ _RETIRED: list = []   # servers replaced while ranks they forked may live (they 
 
 
 def server_for(kind: str) -> Server:
-    """The running server of ``kind``, started now if there is none (or it died)."""
+    """The running server for a call that needs ``kind``, started now if there is none (or it died). A torch call
+    goes to the jax server while no torch server was started (its ranks have torch too)."""
+    if kind == "torch" and "torch" not in _SERVERS and "jax" in _SERVERS:
+        kind = "jax"
     server = _SERVERS.get(kind)
     if server is None:
         server = _SERVERS[kind] = Server(kind, modules_for(kind))
-    _install_kernel_exit()
     return server.ensure_running()
 
 
@@ -237,17 +238,12 @@ def stop_all() -> None:
     _RETIRED.clear()
 
 
-def _install_kernel_exit():
-    from course_lib.launch import kernel_exit, pool
-    kernel_exit.install(pool.shutdown)   # in a Jupyter kernel: stop the ranks and servers when it shuts down
-
-
 class _JaxImportHook(importlib.abc.MetaPathFinder):
     """Starts the jax server when the kernel starts importing JAX, then leaves ``sys.meta_path``; finds nothing."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "jax":
-            remove_jax_hook()
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _JaxImportHook)]
             try:
                 server_for("jax")
             except Exception:  # noqa: BLE001 - never break the learner's import: the first JAX call starts it
@@ -255,14 +251,12 @@ class _JaxImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
-def remove_jax_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _JaxImportHook)]
-
-
 def start_early() -> bool:
-    """In a Jupyter kernel (``import course_lib``): start the torch server now with ``PRELOAD["minimal"]``, the jax
-    server when the kernel imports JAX, and replace the torch server after this cell (:func:`after_first_cell`).
-    Elsewhere (a script, a rank, the fork server) it does nothing. ``COURSE_LIB_EAGER=0`` turns it off."""
+    """In a Jupyter kernel (``import course_lib``): start one server now, with torch alone (``PRELOAD["minimal"]``):
+    the torch server, or the jax server (with ``PRELOAD["jax"]`` too) when the running cell imports JAX or the kernel
+    has; the jax server (full) the moment the kernel imports JAX later; after this cell, servers that preload less
+    than they should are replaced (:func:`after_first_cell`). Elsewhere (a script, a rank, the fork server) it does
+    nothing. ``COURSE_LIB_EAGER=0`` turns it off."""
     import multiprocessing as mp
     if "IPython" not in sys.modules or os.environ.get("COURSE_LIB_EAGER", "1") == "0":
         return False
@@ -270,12 +264,12 @@ def start_early() -> bool:
     shell = get_ipython()
     if getattr(shell, "kernel", None) is None or mp.current_process().name != "MainProcess":
         return False
-    if "torch" not in _SERVERS:
-        _SERVERS["torch"] = Server("torch", PRELOAD["minimal"])
-    server_for("torch")
-    if "jax" in sys.modules:
-        server_for("jax")
-    elif not any(isinstance(f, _JaxImportHook) for f in sys.meta_path):
+    cell = (shell.user_ns.get("_ih") or [""])[-1]   # the running cell (IPython stores it before running it)
+    kind = "jax" if "jax" in sys.modules or source_needs(cell) == "jax" else "torch"
+    if not _SERVERS:
+        _SERVERS[kind] = Server(kind, PRELOAD["minimal"] + (PRELOAD["jax"] if kind == "jax" else []))
+    server_for(kind)
+    if kind == "torch" and not any(isinstance(f, _JaxImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _JaxImportHook())
 
     def after_cell(*_):
@@ -286,20 +280,16 @@ def start_early() -> bool:
 
 
 def after_first_cell() -> None:
-    """Replace the torch server if it preloads less than it should now (the early one: ``PRELOAD["minimal"]``)."""
-    want = modules_for("torch")
-    server = _SERVERS.get("torch")
-    if server is not None and not set(want) <= set(server.modules):
-        _replace("torch", want)
+    """Replace each server that preloads less than it should now (an early one: ``PRELOAD["minimal"]``)."""
+    for kind, server in list(_SERVERS.items()):
+        if not set(modules_for(kind)) <= set(server.modules):
+            _replace(kind, modules_for(kind))
 
 
 def release_in_rank() -> None:
-    """In a rank: close its copy of the fork server's "alive" pipe.
-
-    multiprocessing hands every child of its fork server a copy of the pipe whose end tells the server its client
-    is gone. While a rank holds it, the server outlives the notebook (or script), so the rank's PDEATHSIG, tied to
-    the server, never fires: a rank stuck in a C++ call that holds the GIL (a FileStore opening a removed
-    directory) then outlived an interrupted script by minutes. Ranks never fork through that server."""
+    """In a rank: close its copy of the fork server's "alive" pipe. Held, the server would outlive the notebook, and
+    the rank's PDEATHSIG (tied to the server) never fire: a rank stuck in C++ holding the GIL (a FileStore opening a
+    removed directory) outlived an interrupted script by minutes. Ranks never fork through that server."""
     server = _mp_forkserver._forkserver   # in the server's children, CPython's _serve_one set these
     if server._forkserver_alive_fd is not None:
         try:

@@ -268,5 +268,6 @@ def in_notebook_setup() -> None:
     if shell is None:
         return
     load_ipython_extension(shell)
-    from course_lib.launch import forkserver
-    forkserver.start_early()
+    from course_lib.launch import forkserver, kernel_exit, pool
+    if forkserver.start_early():
+        kernel_exit.install(pool.shutdown)   # the ranks, then the servers, stop when the kernel shuts down

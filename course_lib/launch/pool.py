@@ -33,7 +33,7 @@ import time
 
 import cloudpickle
 
-from course_lib.launch import cell_output, forkserver, preflight, stacks, store_dirs, verdict
+from course_lib.launch import cell_output, forkserver, kernel_exit, preflight, stacks, store_dirs, verdict
 from course_lib.launch.rank import worker_main
 from course_lib.comm.ledger import Ledger
 from course_lib.launch.results import (RUN_SPELLING, LaunchTimeout, RankError, RunResult, describe_deaths,
@@ -279,6 +279,7 @@ def launch(fn, args, kwargs, *, world_size: int, backend: str | None = None, tim
     blob = preflight.pickle_call(fn, args, kwargs)
     kind = forkserver.needs(blob, source)   # which fork server: "jax" if the call names a JAX module, else "torch"
     server = forkserver.server_for(kind)    # before this process imports torch: on a cold start the imports overlap
+    kernel_exit.install(shutdown)   # in a Jupyter kernel: stop the ranks and servers when it shuts down
     check_torch_version()
     b = choose_backend(world_size, prefer=backend).name
     key = (world_size, b)
