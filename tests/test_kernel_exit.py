@@ -71,3 +71,27 @@ def test_a_kernel_that_ran_ranks_restarts_and_shuts_down_at_once_and_takes_them_
 def test_outside_a_kernel_nothing_is_installed():
     """pytest's process (IPython may be imported, but there is no kernel): nothing to wrap."""
     assert kernel_exit.install(lambda: None) is False
+
+
+def _servers(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and "forkserver" in " ".join(psutil.Process(p).cmdline())]
+
+
+def test_a_kernel_with_the_torch_and_the_jax_server_leaves_nothing_behind():
+    """(Issue 52 item 3.) The torch server (started at ``import course_lib``, replaced after that cell) and the jax
+    server (started when the kernel imports JAX), with ranks from each: a shutdown stops them all, at once."""
+    km = KernelManager(kernel_name="python3", shutdown_wait_time=PATIENCE_S)
+    km.start_kernel(cwd=str(ROOT))
+    try:
+        _children_after(km, RANKS)
+        children = _children_after(km, "import jax.numpy as jnp\n"
+                                       "print(course_lib.run(lambda: float(jnp.ones(2).sum()), world_size=3))")
+        assert len(_servers(children)) >= 2, children     # the torch server(s) and the jax server
+        assert len(children) >= 2 + 2 + 3, children       # ... the resource tracker, two torch ranks, three JAX ranks
+        pid = km.provisioner.pid
+        took = _timed(lambda: km.shutdown_kernel(now=False))
+        assert _gone([pid]) == [] and _gone(children) == [], _gone([pid] + children)
+        assert took < PATIENCE_S / 4, f"shutdown took {took:.1f} s"
+    finally:
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
