@@ -44,9 +44,8 @@ from multiprocessing.context import ForkServerProcess, set_spawning_popen
 #: What a fork server imports once for every rank (:mod:`.preload`, the garbage collector paused and frozen).
 #: "full" (the default) adds FSDP2/DDP, DTensor, dynamo (which the first optimizer or DDP imports) and the
 #: course's models: 4 ranks importing them on 2 cores cost 4-7 s per lab, once in the server under 1 s.
-#: "minimal": what a kernel's early torch server imports first (:func:`start_early`). "jax": what the jax server
-#: imports besides the torch list. ``COURSE_LIB_PRELOAD=auto`` makes the torch list "minimal" plus those of "full"'s
-#: extras the notebook itself imported when the server starts.
+#: "minimal": a kernel's early server's torch (:func:`start_early`). "jax": the jax server's, besides the torch list.
+#: ``COURSE_LIB_PRELOAD=auto``: the torch list is "minimal" plus what of "full" the notebook imported (at the start).
 PRELOAD = {
     "minimal": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger"],
     "full": ["torch", "torch.distributed", "cloudpickle", "course_lib.comm.torch_ledger", "torch.distributed.fsdp",
@@ -152,10 +151,7 @@ class _Popen(popen_forkserver.Popen):
 
 class RankProcess(ForkServerProcess):
     """A rank: a forkserver process started through :meth:`Server.start_process`."""
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _Popen(process_obj)
+    _Popen = staticmethod(_Popen)
 
 
 class Server:
@@ -174,9 +170,13 @@ class Server:
             self.asked = time.time()
         before = os.environ.get(PRELOAD_ENV)
         os.environ[PRELOAD_ENV] = ",".join(self.modules)   # read by a server started now (launch.preload)
+        # SIGINT blocked in a server from its start (as CPython starts its resource tracker): a kernel's interrupt
+        # goes to its process group, and killed a server still starting, before it ignores SIGINT itself.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         try:
             self._fs.ensure_running()
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if before is None:
                 os.environ.pop(PRELOAD_ENV, None)
             else:
