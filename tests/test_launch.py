@@ -252,6 +252,7 @@ def test_each_call_runs_on_ranks_forked_from_the_server_whose_imports_it_needs()
     assert launch.run(_jax_by_global(), world_size=2) == [(jax_server.pid, 2.0)] * 2
 
 
+@serial
 def test_the_rule_that_picks_the_server():
     """needs(): what unpickling the call on a rank would import, and the names its code uses; a %%ranks cell's
     imports. Strings that merely contain "jax" do not count."""
