@@ -1,28 +1,26 @@
 """The fork servers the ranks come from: what each imports, when each starts, which one a call needs.
 
-Ranks are forked from a *fork server* (a fresh interpreter that imported torch and nothing else), never from the
-notebook kernel, whose JAX/CUDA threads would make ``fork`` unsafe; forking from a warm server is also what makes a
-start fast: the frameworks are imported once, not once per rank. There are two servers, so that **a rank never
-imports a framework after the fork** (four ranks importing JAX at once on 2 cores stalled Lab 05 for 45 s) and a
-torch call never waits for JAX:
+Ranks are forked from a *fork server*, never from the notebook kernel, whose JAX/CUDA threads would make ``fork``
+unsafe; a warm server also makes a start fast: the frameworks are imported once, not once per rank. Two servers,
+so that **a rank never imports a framework after the fork** (four ranks importing JAX at once on 2 cores stalled
+Lab 05 for 45 s) and a torch call never waits for JAX: the **torch** server preloads ``PRELOAD["full"]`` (torch,
+FSDP2/DDP, DTensor, dynamo, the course's models), the **jax** server that and ``PRELOAD["jax"]``.
 
-* the **torch** server preloads ``PRELOAD["full"]`` (torch, FSDP2/DDP, DTensor, dynamo, the course's models). In a
-  Jupyter kernel it starts in the background at ``import course_lib`` (:func:`start_early`) with
-  ``PRELOAD["minimal"]`` only, so that a call in the same cell has ranks as soon as the cell's own ``import torch``
-  is done; at the end of that cell it is replaced by one with the full list (:func:`after_first_cell`). A server
-  no rank came from yet is stopped; one that has ranks stays (they die with it) until the kernel shuts down.
-* the **jax** server preloads the torch list plus ``PRELOAD["jax"]``. In a kernel it starts the moment the kernel
-  imports JAX (an import hook, :class:`_JaxImportHook`), so its imports overlap the kernel's -- or at
-  ``import course_lib``, instead of the torch server and like it with torch alone first, when that cell imports
-  JAX too (then a torch call runs on its ranks until a torch server is asked for: none is started for it);
-  elsewhere at the first call that needs it.
+When each starts. In a script: at the first call that needs it. In a Jupyter kernel (:func:`start_early`), one at
+``import course_lib``, in the background -- the jax server if that cell imports JAX (every lab's first cell does),
+else the torch server -- and the jax server the moment the kernel imports JAX later (an import hook,
+:class:`_JaxImportHook`), replacing the torch server if no rank came from it yet. While no torch server was
+started a torch call runs on the jax server's ranks (they have torch). If the cell that imports course_lib also
+calls ``run``, its server preloads torch alone (``PRELOAD["minimal"]``): that call has ranks as soon as the cell's
+own ``import torch`` is done; after the cell it is replaced by a full one (:func:`after_first_cell`; one with
+ranks stays, they die with it, until the kernel shuts down).
 
 Which server a call needs (:func:`needs`): ``"jax"`` when the pickled call -- the function by value, its globals,
 closures, arguments, and the names its code uses, which include every module it imports -- names a module of
-:data:`JAX_FAMILY` (what unpickling it on a rank would import), when a function it sends by reference (one defined
-in an importable module) imports or reads one in its own code, or when a ``%%ranks`` cell's source imports one
-(:func:`source_needs`); else ``"torch"``. Not followed: the functions such a function calls in turn. A torch call on ranks forked from the jax server runs as it is (they
-have torch); a JAX call on ranks from the torch server restarts them from the jax server (``%%ranks`` says so).
+:data:`JAX_FAMILY` (what unpickling it on a rank would import), when a function it sends by reference (defined in
+an importable module) imports or reads one in its own code (the functions that one calls are not followed), or
+when a ``%%ranks`` cell imports one (:func:`source_needs`); else ``"torch"``. A JAX call on ranks forked from the
+torch server restarts them from the jax server (``%%ranks`` says so).
 
 Each server is CPython's own :class:`multiprocessing.forkserver.ForkServer` (its private fields are read here only),
 one instance per kind; a :class:`RankProcess`'s ``Popen`` asks the server chosen in :meth:`Server.start_process`.
@@ -112,17 +110,23 @@ def _uses_jax(fn) -> bool:
 
 def source_needs(source: str) -> str:
     """``"jax"`` if the cell ``source`` imports a module of :data:`JAX_FAMILY`, else ``"torch"``."""
+    return "jax" if any(_is_jax(n) for n in _cell_names(source, imports=True)) else "torch"
+
+
+def _cell_names(source: str, imports: bool) -> set:
+    """The modules a cell imports (``imports``), else the names of the functions it calls."""
     import ast
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return "torch"   # the rank reports the syntax error
+        return set()   # the rank, or the kernel, reports it
+    out = set()
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-        if any(n.split(".", 1)[0] in JAX_FAMILY for n in names):
-            return "jax"
-    return "torch"
+        if imports and isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+        elif not imports and isinstance(node, ast.Call):
+            out.add(getattr(node.func, "attr", getattr(node.func, "id", None)))
+    return out
 
 
 _STARTING = threading.local()   # the ForkServer that RankProcess.start() asks (set by Server.start_process)
@@ -168,8 +172,7 @@ class Server:
         """Start it now if it is not running (cheap if it is): its imports then overlap the caller's."""
         if self.asked is None:
             self.asked = time.time()
-        before = os.environ.get(PRELOAD_ENV)
-        os.environ[PRELOAD_ENV] = ",".join(self.modules)   # read by a server started now (launch.preload)
+        os.environ[PRELOAD_ENV] = ",".join(self.modules)   # read by a server started now (launch.preload), only
         # SIGINT blocked in a server from its start (as CPython starts its resource tracker): a kernel's interrupt
         # goes to its process group, and killed a server still starting, before it ignores SIGINT itself.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
@@ -177,16 +180,13 @@ class Server:
             self._fs.ensure_running()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if before is None:
-                os.environ.pop(PRELOAD_ENV, None)
-            else:
-                os.environ[PRELOAD_ENV] = before
+            os.environ.pop(PRELOAD_ENV, None)
         return self
 
     def start_process(self, proc: RankProcess) -> None:
         """Fork ``proc`` from this server (waits for its imports on a cold start)."""
-        self.ensure_running()
         self.used = True
+        self.ensure_running()
         _STARTING.server = self._fs
         try:
             proc.start()
@@ -195,15 +195,12 @@ class Server:
 
     def stop(self) -> None:
         """Stop it and reap it; one no rank came from is killed (it may still be importing). Its ranks die with it."""
-        pid = self._fs._forkserver_pid
-        if pid is None:
-            return
-        if not self.used:
+        if self.pid is not None and not self.used:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
             except OSError:
                 pass
-        self._fs._stop()   # CPython's own: close its "alive" pipe, wait for it
+        self._fs._stop()   # CPython's own: close its "alive" pipe, wait for it (nothing if it never started)
 
 
 _SERVERS: dict = {}   # kind -> the server new pools of that kind come from
@@ -221,13 +218,11 @@ def server_for(kind: str) -> Server:
     return server.ensure_running()
 
 
-def _replace(kind: str, modules: list) -> None:
-    old = _SERVERS.pop(kind, None)
-    if old is not None and old.used:
-        _RETIRED.append(old)
-    elif old is not None:
-        old.stop()
-    _SERVERS[kind] = Server(kind, modules).ensure_running()
+def _retire(kind: str) -> None:
+    """No new pool comes from the server of ``kind``: stopped now if no rank came from it, else at shutdown."""
+    _RETIRED.append(_SERVERS.pop(kind))
+    if not _RETIRED[-1].used:
+        _RETIRED[-1].stop()
 
 
 def stop_all() -> None:
@@ -245,6 +240,8 @@ class _JaxImportHook(importlib.abc.MetaPathFinder):
         if name == "jax":
             sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _JaxImportHook)]
             try:
+                if "torch" in _SERVERS and not _SERVERS["torch"].used:   # one server while no rank came: this one
+                    _retire("torch")
                 server_for("jax")
             except Exception:  # noqa: BLE001 - never break the learner's import: the first JAX call starts it
                 pass
@@ -252,11 +249,11 @@ class _JaxImportHook(importlib.abc.MetaPathFinder):
 
 
 def start_early() -> bool:
-    """In a Jupyter kernel (``import course_lib``): start one server now, with torch alone (``PRELOAD["minimal"]``):
-    the torch server, or the jax server (with ``PRELOAD["jax"]`` too) when the running cell imports JAX or the kernel
-    has; the jax server (full) the moment the kernel imports JAX later; after this cell, servers that preload less
-    than they should are replaced (:func:`after_first_cell`). Elsewhere (a script, a rank, the fork server) it does
-    nothing. ``COURSE_LIB_EAGER=0`` turns it off."""
+    """In a Jupyter kernel (``import course_lib``): start one server now: the torch server, or the jax server when
+    the running cell imports JAX (or the kernel has); with torch alone (``PRELOAD["minimal"]``) if that cell calls
+    ``run``, replaced after the cell (:func:`after_first_cell`). The jax server starts the moment the kernel imports
+    JAX later (instead of the torch server while no rank came from it). Elsewhere (a script, a rank, the fork
+    server) it does nothing. ``COURSE_LIB_EAGER=0`` turns it off."""
     import multiprocessing as mp
     if "IPython" not in sys.modules or os.environ.get("COURSE_LIB_EAGER", "1") == "0":
         return False
@@ -266,7 +263,7 @@ def start_early() -> bool:
         return False
     cell = (shell.user_ns.get("_ih") or [""])[-1]   # the running cell (IPython stores it before running it)
     kind = "jax" if "jax" in sys.modules or source_needs(cell) == "jax" else "torch"
-    if not _SERVERS:
+    if not _SERVERS and "run" in _cell_names(cell, imports=False):   # ranks wanted in this very cell: torch alone
         _SERVERS[kind] = Server(kind, PRELOAD["minimal"] + (PRELOAD["jax"] if kind == "jax" else []))
     server_for(kind)
     if kind == "torch" and not any(isinstance(f, _JaxImportHook) for f in sys.meta_path):
@@ -283,7 +280,8 @@ def after_first_cell() -> None:
     """Replace each server that preloads less than it should now (an early one: ``PRELOAD["minimal"]``)."""
     for kind, server in list(_SERVERS.items()):
         if not set(modules_for(kind)) <= set(server.modules):
-            _replace(kind, modules_for(kind))
+            _retire(kind)
+            _SERVERS[kind] = Server(kind, modules_for(kind)).ensure_running()
 
 
 def release_in_rank() -> None:
