@@ -1,8 +1,8 @@
 """How the ranks' output is shown in the notebook, every line labelled with its rank: the one owner of labelling.
 
 A ``run()`` call prints each rank's line as it comes, ``[rank r] ...`` (:func:`print_labelled`, :func:`flush_labelled`,
-called by :mod:`.pool`). While a ``%%ranks`` cell runs, its :class:`CellOutput` is pushed on :data:`SINKS` and takes
-the lines instead:
+called by :mod:`.pool`). While a ``%%ranks`` cell runs, its :class:`CellOutput` (attached by :mod:`.magic`, on
+:data:`SINKS` until it finishes) takes the lines instead:
 
 A rank's line shows as it comes, ``[rank r] ...``, once it is :data:`STREAM_AFTER_S` old; when the cell ends its output
 is replaced (``clear_output``) by the grouped view, ranks that printed the same lines shown once
@@ -17,7 +17,7 @@ import sys
 import time
 
 STREAM_AFTER_S = 1.0    #: a rank's line shows before the cell ends once it is this old
-SINKS: list = []        #: while a %%ranks cell runs: its CellOutput (.magic pushes and pops it)
+SINKS: list = []        #: while a %%ranks cell runs: its CellOutput (CellOutput.attach, .finish)
 _partial: dict = {}     # (rank, stream) -> the unfinished last line a run() call's rank printed
 
 
@@ -60,6 +60,10 @@ class CellOutput:
         self.streamed = False
         self.notes = notes         # what the cell printed before the ranks' output: said again after the clear
 
+    def attach(self) -> None:
+        """From now on the ranks' output comes here (:func:`print_labelled`), until :meth:`finish`."""
+        SINKS.append(self)
+
     def add(self, rank: int, stream: str, text: str) -> None:
         self.parts.setdefault((rank, stream), []).append(text)
         self.held.append((time.monotonic(), rank, stream, text))
@@ -79,6 +83,8 @@ class CellOutput:
         sys.stderr.flush()
 
     def finish(self) -> None:
+        if self in SINKS:
+            SINKS.remove(self)
         if self.streamed:   # the live lines give way to the grouped view
             from IPython.display import clear_output
             clear_output(wait=True)

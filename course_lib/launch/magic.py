@@ -114,7 +114,7 @@ _COUNTER = [0]
 def ranks(line: str, cell: str):
     """The ``%%ranks [-n N] [--wait S] [--timeout S] [--push a,b]`` cell magic (see the module docstring)."""
     __tracebackhide__ = True   # noqa: F841 - IPython: show the ranks' error, not this frame
-    from course_lib.launch import cell_output, pool, preflight
+    from course_lib.launch import pool, preflight
     from course_lib.launch.results import MAGIC_SPELLING, RankError
     notes = _restarts_since()   # first, whatever this cell does: ranks restarted since the last %%ranks cell
     for note in notes:
@@ -144,7 +144,7 @@ def ranks(line: str, cell: str):
         print(note, file=sys.stderr)
         out.notes.append(note)
         _AGAIN.append(stopped)      # said again at the start of the next %%ranks cell
-    cell_output.SINKS.append(out)
+    out.attach()
     pool.LAST_POOL[0] = None
     try:
         result = pool.launch(exec_cell, (cell, filename, pushed), {}, world_size=opts.world_size,
@@ -167,7 +167,6 @@ def ranks(line: str, cell: str):
         _publish(err)
         raise
     finally:
-        cell_output.SINKS.remove(out)
         out.finish()
     _SEEN[opts.world_size] = pool.LAST_POOL[0]
     values = [v for _, v in result]
