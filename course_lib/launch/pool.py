@@ -36,8 +36,7 @@ import cloudpickle
 from course_lib.launch import cell_output, forkserver, kernel_exit, preflight, stacks, store_dirs, verdict
 from course_lib.launch.rank import worker_main
 from course_lib.comm.ledger import Ledger
-from course_lib.launch.results import (RUN_SPELLING, LaunchTimeout, RankError, RunResult, describe_deaths,
-                                      ranks_text)
+from course_lib.launch.results import RUN_SPELLING, RankError, RunResult, ranks_text
 
 DEFAULT_TIMEOUT_S = 45.0  # notebook-side deadline for one call; well under a minute
 #: A limit on *waiting in a collective* (``stall_s``, what ``%%ranks`` uses by default) is reported this much before
@@ -64,9 +63,9 @@ class _Pool:
         try:  # an interrupt while forking/connecting must not leave half a pool behind
             for r in range(world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                p = forkserver.RankProcess(target=worker_main, args=(r, world_size, backend, store_path, 0, child, pg_timeout_s,
-                                                          self.progress),
-                                name=f"course_lib-rank{r}", daemon=True)
+                p = forkserver.RankProcess(target=worker_main, name=f"course_lib-rank{r}", daemon=True,
+                                           args=(r, world_size, backend, store_path, 0, child, pg_timeout_s,
+                                                 self.progress))
                 self.conns.append(parent)
                 self._child_ends.append(child)
                 server.start_process(p)
