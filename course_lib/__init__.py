@@ -21,10 +21,12 @@ module lives::
                MoE parameters, FLOPs, all-to-all bytes), planner_runs (published runs: calibration and
                validation sets), planner_course_runs (the capstone measured on a lent H200: the planner
                judged by the course's own GPU runs)
-  launch/      pool (run a notebook function on N ranks), preload (the fork server's imports), rank (the
-               rank side), results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on
-               every rank), cell_output (a %%ranks cell's output: live, then grouped), kernel_exit (a kernel
-               that ran ranks shuts down at once)
+  launch/      pool (run a notebook function on N ranks), preflight (run()'s checks; run under torchrun),
+               forkserver (the torch and the jax fork server; which one a call needs), preload (a fork server's
+               imports), store_dirs (where ranks meet), verdict (a failed call's error), rank (the rank side),
+               results, stacks (every rank's stack when a call hangs), magic (``%%ranks``: a cell on every rank),
+               cell_output (the ranks' output, labelled: live, then grouped), kernel_exit (a kernel that ran
+               ranks shuts down at once)
   models/      config (sizes, NumPy weights), torch_gpt, flax_gpt, data (TokenTask), names (the canonical
                tensor names, adapters from other models')
   measure/     memory (live bytes on a rank), ownership (who holds which slice of a real sharded model),

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from course_lib import launch
-from course_lib.launch import pool
+from course_lib.launch import forkserver, pool
 from course_lib.launch import LaunchTimeout, RankError
 
 # Every test here runs alone under `make test`'s two workers (root conftest.py): deadlines of a few seconds and
@@ -69,7 +69,7 @@ def test_ranks_inherit_the_fork_servers_imports_frozen_and_their_collector_on():
     (launch.preload): each rank starts with it imported and still frozen (its collections skip the shared
     pages), and its collector on."""
     results = launch.run(_what_the_rank_inherited, world_size=2)
-    preloaded = "torch._dynamo" in pool._SERVER["modules"]       # "full" (the default) lists it; "auto" if imported here
+    preloaded = "torch._dynamo" in forkserver._SERVERS["torch"].modules   # "full" (the default) lists it
     assert [(on, dynamo) for on, _, dynamo in results] == [(True, preloaded)] * 2
     assert all(frozen > 100_000 for _, frozen, _ in results), results
 
@@ -201,12 +201,75 @@ def test_auto_preload_is_minimal_plus_what_the_notebook_imported_never_jax(monke
     monkeypatch.setenv("COURSE_LIB_PRELOAD", "auto")
     fsdp = "torch.distributed.fsdp"
     monkeypatch.delitem(sys.modules, fsdp, raising=False)
-    assert fsdp not in pool.preload_modules()
-    assert pool.preload_modules()[:len(launch.PRELOAD["minimal"])] == launch.PRELOAD["minimal"]
+    assert fsdp not in forkserver.preload_modules()
+    assert forkserver.preload_modules()[:len(launch.PRELOAD["minimal"])] == launch.PRELOAD["minimal"]
     monkeypatch.setitem(sys.modules, fsdp, sys)
-    assert fsdp in pool.preload_modules()
+    assert fsdp in forkserver.preload_modules()
     monkeypatch.setitem(sys.modules, "jax", sys)
-    assert not [m for m in pool.preload_modules() + pool.preload_modules("full") if "jax" in m or "flax" in m]
-    assert pool.preload_modules("full") == launch.PRELOAD["full"]
+    assert not [m for m in forkserver.preload_modules() + forkserver.preload_modules("full") if "jax" in m or "flax" in m]
+    assert forkserver.modules_for("jax") == forkserver.preload_modules() + ["jax", "jax.numpy"]
+    assert forkserver.preload_modules("full") == launch.PRELOAD["full"]
     with pytest.raises(ValueError, match="COURSE_LIB_PRELOAD='fast' must be one of"):
-        pool.preload_modules("fast")
+        forkserver.preload_modules("fast")
+
+
+def _torch_parent():
+    import torch
+    import torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return os.getppid(), t.item()
+
+
+def _jax_parent():
+    import sys
+    import jax.numpy as jnp
+    return os.getppid(), float(jnp.arange(3.0).sum()), "jax" in sys.modules
+
+
+def _jax_by_global():
+    """A notebook's function (``__main__``: sent by value) that reads a global holding ``jax.numpy``."""
+    import jax.numpy
+    ns = {"__name__": "__main__", "jnp": jax.numpy, "os": os}
+    exec("def f():\n    return os.getppid(), float(jnp.ones(2).sum())\n", ns)
+    return ns["f"]
+
+
+@serial
+def test_each_call_runs_on_ranks_forked_from_the_server_whose_imports_it_needs():
+    """(Issue 52 item 3.) A torch call: ranks from the torch server. A call that imports JAX (in its body or through
+    a global) restarts them from the jax server, which imported JAX before the fork; torch calls then run there."""
+    launch.shutdown()
+    out = launch.run(_torch_parent, world_size=2, fresh=True)
+    torch_server = forkserver._SERVERS["torch"]
+    assert [p for p, _ in out] == [torch_server.pid] * 2 and [v for _, v in out] == [2.0, 2.0]
+    assert "jax" not in torch_server.modules and pool._POOLS[(2, "gloo")].kind == "torch"
+    out = launch.run(_jax_parent, world_size=2)
+    jax_server = forkserver._SERVERS["jax"]
+    assert jax_server.pid not in (None, torch_server.pid) and "jax" in jax_server.modules
+    assert out == [(jax_server.pid, 3.0, True)] * 2
+    assert [p for p, _ in launch.run(_torch_parent, world_size=2)] == [jax_server.pid] * 2   # kept: they have torch
+    assert launch.run(_jax_by_global(), world_size=2) == [(jax_server.pid, 2.0)] * 2
+
+
+@serial
+def test_the_rule_that_picks_the_server():
+    """needs(): what unpickling the call on a rank would import, and the names its code uses; a %%ranks cell's
+    imports. Strings that merely contain "jax" do not count."""
+    import cloudpickle
+    from course_lib.launch.preflight import pickle_call
+
+    def in_body():
+        from flax import nnx   # noqa: F401
+    assert forkserver.needs(pickle_call(_torch_parent, (), {})) == "torch"
+    assert forkserver.needs(pickle_call(_jax_parent, (), {})) == "jax"
+    assert forkserver.needs(pickle_call(in_body, (), {})) == "jax"
+    assert forkserver.needs(pickle_call(_jax_by_global(), (), {})) == "jax"
+    assert forkserver._uses_jax(_jax_by_global()) and not forkserver._uses_jax(_torch_parent)
+    assert forkserver.needs(cloudpickle.dumps(("say jax", "jaxonomy"))) == "torch"
+    assert forkserver.source_needs("import torch\nx = 'jax'") == "torch"
+    assert forkserver.source_needs("import torch\nif 1:\n    import jax.numpy as jnp") == "jax"
+    assert forkserver.source_needs("from optax import adam") == "jax"
+    assert forkserver.source_needs("x = (1,") == "torch"
+    with pytest.raises(ValueError, match="kind='tpu' must be 'torch' or 'jax'"):
+        forkserver.modules_for("tpu")

@@ -244,6 +244,23 @@ def test_hang_ends_at_the_timeout_naming_collective_rank_and_line_and_nothing_is
     assert not _gone(_ranks_of(before), 1.0), "a rank outlived the hang"
 
 
+def test_a_cell_that_imports_jax_gets_ranks_forked_with_jax_and_says_the_restart(kernel):
+    """(Issue 52 item 3.) Ranks forked from the torch server never import JAX themselves: a cell that imports it
+    restarts them from the jax server, and says so; the torch cells after it stay on those ranks, variables kept."""
+    km, kc = kernel
+    content, _ = _cell(kc, "%%ranks -n 2\nimport torch\ny = 5")
+    assert content["status"] == "ok", content
+    content, out = _cell(kc, "%%ranks -n 2\nimport os\nimport jax.numpy as jnp\nz = float(jnp.ones(3).sum())\n"
+                             "os.getppid()")
+    assert content["status"] == "ok", content
+    assert "(the 2 ranks restart with JAX imported before the fork" in out, out
+    content, out = _cell(kc, "from course_lib.launch import forkserver as fs\n"
+                             "print(set(_ranks) == {fs._SERVERS['jax'].pid}, fs._SERVERS['torch'].pid not in _ranks)")
+    assert "True True" in out, out
+    content, out = _cell(kc, "%%ranks -n 2\nz + 1")          # the restart said again (item 5a), z kept: no new one
+    assert content["status"] == "ok" and "[4.0, 4.0]" in out and out.count("restart") == 1, (content, out)
+
+
 def test_ctrl_c_returns_within_2_s_and_leaves_no_rank(kernel):
     km, kc = kernel
     _cell(kc, "%%ranks -n 2\nimport time")                          # warm ranks (the hang killed the last ones)

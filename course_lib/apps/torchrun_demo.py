@@ -24,7 +24,7 @@ def _step():
 
 
 def main():
-    from course_lib.launch.pool import PRELOAD
+    from course_lib.launch.forkserver import PRELOAD
     from course_lib.runtime.imports import import_quickly
     import_quickly(PRELOAD["minimal"])   # the collector paused: a quicker start for each rank
     from course_lib.maths import costs

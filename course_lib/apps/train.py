@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         wait_for_rank_0(rank_env)
         return 2
     from course_lib.checkpoint.manager import CheckpointWriteError   # imports no torch
-    from course_lib.launch.pool import PRELOAD
+    from course_lib.launch.forkserver import PRELOAD
     import_quickly(PRELOAD["full"])   # what a rank needs, the collector paused: ~0.5 s less start-up per rank
     opened = []   # the Checkpointer, once made: its folder is released on every way out of here
     try:

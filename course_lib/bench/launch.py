@@ -1,6 +1,6 @@
 """Benchmark the launcher: cold start (with a breakdown), warm round trip, repeated fresh launches.
 
-    python -m course_lib bench launch [--ranks 4] [--cold 5] [--warm 50] [--fresh 50] [--kernel N]
+    python -m course_lib bench launch [--ranks 4] [--cold 5] [--warm 50] [--fresh 50] [--kernel N] [--jax]
                                       [--accelerate-target DIR]
 
 Cold start is measured in a new interpreter, as a learner's first call in a fresh kernel would be: from
@@ -10,15 +10,15 @@ each other (they add up to the total), each the median over ``--cold`` runs:
   interpreter        the new Python process reaches its first line
   imports            ``from course_lib import launch`` (the notebook side; with ``--torch-first`` also
                      ``import torch.distributed``, as a notebook that imported torch before its first call)
-  fork server        ``run()`` asks for the fork server until the first rank is forked (the server imports
-                     torch once, for every rank: ``launch.PRELOAD``)
+  fork server        ``run()`` asks for the torch fork server until the first rank is forked (the server imports
+                     torch once, for every rank: ``launch.PRELOAD["full"]``; in a script nothing starts it earlier)
   forks              first rank forked -> last rank forked
   rendezvous         last rank forked -> every rank through the file store and ``init_process_group``
   first collective   the first call: pickle ``fn``, all-reduce on every rank, results back
 
 Then the fresh-kernel figure (:mod:`.launch_kernel`): a new Jupyter kernel, one cell that imports torch and the
 launcher and all-reduces on every rank, the course's ``run`` beside accelerate's ``notebook_launcher`` (round-robin,
-``--kernel`` rounds, default ``--cold``; median and ratio). accelerate is looked for on ``--accelerate-target``
+``--kernel`` rounds, default ``--cold``; median and ratio; ``--jax``: a function that uses JAX). accelerate is looked for on ``--accelerate-target``
 (a ``pip install --target`` folder, never the course's venv); without it that comparison is skipped in one line.
 
 Figures are printed, not asserted: a timed test on a shared 2-core machine would be flaky.
@@ -103,12 +103,14 @@ def main(argv=None):
     ap.add_argument("--fresh", type=int, default=50, help="launches with fresh rank processes each time")
     ap.add_argument("--kernel", type=int, default=None,
                     help="fresh-kernel rounds, course then accelerate in each (default: --cold; 0 skips)")
+    ap.add_argument("--jax", action="store_true",
+                    help="fresh-kernel rounds for a function that uses JAX on every rank (both cells import JAX)")
     ap.add_argument("--accelerate-target", default=os.environ.get("COURSE_BENCH_ACCELERATE"),
                     help="folder where accelerate was pip-installed with --target (not the course's venv)")
     a = ap.parse_args(argv)
     from course_lib.bench import launch_kernel
     rounds = a.cold if a.kernel is None else a.kernel
-    kernel = launch_kernel.compare(a.ranks, rounds, a.accelerate_target) if rounds else None
+    kernel = launch_kernel.compare(a.ranks, rounds, a.accelerate_target, a.jax) if rounds else None
     from course_lib import launch
 
     colds = [cold_start(a.ranks, a.torch_first) for _ in range(a.cold)]

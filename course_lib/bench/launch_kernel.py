@@ -5,7 +5,9 @@ kernel JupyterLab starts), one cell that imports torch and the launcher, defines
 tensor on N gloo ranks and launches it. The clock starts when the cell is sent to a kernel that reported ready and
 stops when its reply arrives (the result printed). Each cell is written as its tool's documentation writes it: the
 course's with ``import course_lib`` first (every lab's first line), accelerate's with ``notebook_launcher``. Rounds alternate course / accelerate (round-robin), so both
-meet the same machine load; the median of the rounds is reported, with their ratio.
+meet the same machine load; the median of the rounds is reported, with their ratio. ``--jax``: both cells also
+import ``jax.numpy`` and the function builds its tensor with it (the course's ranks then come from its jax fork
+server, accelerate's are forks of a kernel that imported JAX).
 
 accelerate is not a course dependency: install it only for this benchmark, apart from the course's venv, e.g.
 ``.venv/bin/python -m pip install --target /tmp/acc accelerate`` and pass ``--accelerate-target /tmp/acc`` (the
@@ -31,6 +33,10 @@ def first_all_reduce():
 
 print(course_lib.run(first_all_reduce, world_size={ranks}))
 """
+
+#: ``--jax``: the same first call for a function that uses JAX on every rank (the kernel imports JAX too).
+JAX_IMPORT = "import jax.numpy as jnp\n"
+JAX_VALUE = "torch.tensor([float(jnp.ones(1).sum())])"
 
 ACCELERATE_CELL = """\
 import torch
@@ -82,20 +88,32 @@ def one_cell(code: str, env: dict, timeout_s: float = 120.0) -> float:
         km.shutdown_kernel(now=False)
 
 
-def compare(ranks: int, rounds: int, accelerate_target: str | None) -> dict:
+def cells(ranks: int, jax: bool = False) -> tuple[str, str]:
+    """The course's cell and accelerate's; with ``jax`` each imports ``jax.numpy`` and its function uses it."""
+    course, acc = COURSE_CELL.format(ranks=ranks), ACCELERATE_CELL.format(ranks=ranks)
+    if jax:
+        course = course.replace("import torch.distributed as dist\n", "import torch.distributed as dist\n" + JAX_IMPORT)
+        acc = acc.replace("import torch.distributed as dist\n", "import torch.distributed as dist\n" + JAX_IMPORT)
+        course, acc = (c.replace("t = torch.ones(1)", f"t = {JAX_VALUE}") for c in (course, acc))
+    return course, acc
+
+
+def compare(ranks: int, rounds: int, accelerate_target: str | None, jax: bool = False) -> dict:
     """Round-robin fresh-kernel first calls; returns the per-round seconds of each tool (accelerate: [] if absent)."""
     version = accelerate_importable(accelerate_target)
+    course_cell, acc_cell = cells(ranks, jax)
     course, acc = [], []
     for _ in range(rounds):
-        course.append(one_cell(COURSE_CELL.format(ranks=ranks), _env(None)))
+        course.append(one_cell(course_cell, _env(None)))
         if version:
-            acc.append(one_cell(ACCELERATE_CELL.format(ranks=ranks), _env(accelerate_target)))
-    return {"course": course, "accelerate": acc, "accelerate_version": version}
+            acc.append(one_cell(acc_cell, _env(accelerate_target)))
+    return {"course": course, "accelerate": acc, "accelerate_version": version, "jax": jax}
 
 
 def report(res: dict, ranks: int) -> str:
     c = res["course"]
-    lines = [f"fresh kernel -> first all-reduce result ({ranks} gloo ranks, one cell, median of {len(c)}): "
+    what = "a function that uses JAX" if res.get("jax") else "a torch function"
+    lines = [f"fresh kernel -> first all-reduce result, {what} ({ranks} gloo ranks, one cell, median of {len(c)}): "
              f"course {statistics.median(c):.2f} s  (runs: {', '.join(f'{t:.2f}' for t in c)})"]
     if res["accelerate"]:
         a = res["accelerate"]

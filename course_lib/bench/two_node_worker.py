@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("two_node_worker runs under torchrun, one worker per rank: start it with "
                          "`python -m course_lib bench two-node` (see course_lib.bench.two_node)")
-    from course_lib.launch.pool import PRELOAD
+    from course_lib.launch.forkserver import PRELOAD
     from course_lib.runtime.imports import import_quickly
     import_quickly(PRELOAD["full"])   # the collector paused: a quicker start for each rank
     import torch

@@ -114,14 +114,14 @@ _COUNTER = [0]
 def ranks(line: str, cell: str):
     """The ``%%ranks [-n N] [--wait S] [--timeout S] [--push a,b]`` cell magic (see the module docstring)."""
     __tracebackhide__ = True   # noqa: F841 - IPython: show the ranks' error, not this frame
-    from course_lib.launch import pool
+    from course_lib.launch import pool, preflight
     from course_lib.launch.results import MAGIC_SPELLING, RankError
     notes = _restarts_since()   # first, whatever this cell does: ranks restarted since the last %%ranks cell
     for note in notes:
         print(note, file=sys.stderr)
     try:
         opts = _PARSER.parse_args(shlex.split(line))
-        pool.check_world_size(opts.world_size, "-n")
+        preflight.check_world_size(opts.world_size, "-n")
         for name in ("wait", "timeout"):
             if getattr(opts, name) is not None and getattr(opts, name) <= 0:
                 raise _BadOptions(f"--{name} {getattr(opts, name):g} must be > 0 seconds")
@@ -144,12 +144,12 @@ def ranks(line: str, cell: str):
         print(note, file=sys.stderr)
         out.notes.append(note)
         _AGAIN.append(stopped)      # said again at the start of the next %%ranks cell
-    pool.OUTPUT_SINKS.append(out)
+    out.attach()
     pool.LAST_POOL[0] = None
     try:
         result = pool.launch(exec_cell, (cell, filename, pushed), {}, world_size=opts.world_size,
                              timeout=opts.timeout, stall_s=wait, spelling=MAGIC_SPELLING, notify=notify,
-                             pg_floor_s=pool.DEFAULT_TIMEOUT_S)
+                             pg_floor_s=pool.DEFAULT_TIMEOUT_S, source=cell)
     except KeyboardInterrupt:
         _SEEN[opts.world_size] = pool.LAST_POOL[0]
         # the ranks are stopped already; a traceback without the launcher's frames: IPython formats it faster
@@ -167,7 +167,6 @@ def ranks(line: str, cell: str):
         _publish(err)
         raise
     finally:
-        pool.OUTPUT_SINKS.remove(out)
         out.finish()
     _SEEN[opts.world_size] = pool.LAST_POOL[0]
     values = [v for _, v in result]
@@ -208,7 +207,7 @@ def _restarts_since() -> list:
 
 def _after_error(err, used) -> str:
     """What became of the ranks after a raise: kept (every other rank finished the cell), or restarted, and why."""
-    from course_lib.launch.pool import ranks_text
+    from course_lib.launch.results import ranks_text
     if _alive(used):
         failed = sorted({err.rank, *err.others})
         done = [r for r in range(used.world_size) if r not in failed]
@@ -268,5 +267,6 @@ def in_notebook_setup() -> None:
     if shell is None:
         return
     load_ipython_extension(shell)
-    from course_lib.launch import pool
-    pool.start_early()
+    from course_lib.launch import forkserver, kernel_exit, pool
+    if forkserver.start_early():
+        kernel_exit.install(pool.shutdown)   # the ranks, then the servers, stop when the kernel shuts down

@@ -1,14 +1,14 @@
-"""The fork server's start-up, and only that: importing this module imports what every rank needs, once.
+"""A fork server's start-up, and only that: importing this module imports what every rank needs, once.
 
-:mod:`.pool` names this module in ``set_forkserver_preload``, so only the fork server imports it; it imports
-the modules the parent listed in ``COURSE_LIB_PRELOAD_MODULES`` (:func:`.pool.preload_modules`: by default what the
-notebook itself imported of ``PRELOAD["full"]``; the server inherits the parent's environment) with the garbage collector paused and frozen afterwards (:mod:`course_lib.runtime.imports`: a
-quarter of the cold start, measured). Each rank is then a fork of a process that has them all, frozen
-(:mod:`.rank` says why they stay so).
+:mod:`.forkserver` names this module in ``set_forkserver_preload``, so only a fork server imports it; it imports
+the modules its parent listed in ``COURSE_LIB_PRELOAD_MODULES`` (:meth:`.forkserver.Server.ensure_running` sets it
+for the spawn: the torch or the jax server's list) with the garbage collector paused and frozen afterwards
+(:mod:`course_lib.runtime.imports`: a quarter of the cold start, measured). Each rank is then a fork of a process
+that has them all, frozen (:mod:`.rank` says why they stay so).
 """
 import os
 
-from course_lib.launch.pool import preload_modules
+from course_lib.launch.forkserver import preload_modules
 from course_lib.runtime.imports import import_quickly
 
 _listed = os.environ.get("COURSE_LIB_PRELOAD_MODULES")

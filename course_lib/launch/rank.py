@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import cloudpickle
 
+from course_lib.launch.verdict import OP_NAMES as _OPS   # the notebook names a rank's last op by its index
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -74,8 +76,6 @@ def to_cpu(value):
     return value
 
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
-        "reduce", "gather", "scatter")
 
 
 def _publish_progress(rec, progress, rank: int):
@@ -97,26 +97,6 @@ def _leave_if_abandoned(conn, started: threading.Event):
     while not started.is_set():
         if mpc.wait([conn], timeout=0.1) and not started.is_set():
             os._exit(1)
-
-
-def _release_fork_server():
-    """Close this rank's copy of the fork server's "alive" pipe.
-
-    multiprocessing hands every child of its fork server a copy of the pipe whose end tells the server
-    its client is gone. While a rank holds it, the server outlives the notebook (or script), so the
-    rank's PDEATHSIG, tied to the server, never fires: a rank stuck in a C++ call that holds the GIL
-    (a FileStore opening a removed directory) then outlived an interrupted script by minutes. Ranks
-    never fork through that server; should one ever need a fork server, multiprocessing starts its own.
-    """
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        try:
-            os.close(server._forkserver_alive_fd)
-        except OSError:
-            pass
-        server._forkserver_alive_fd = None
-        server._forkserver_address = None
 
 
 _LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -162,7 +142,8 @@ def worker_main(rank: int, world_size: int, backend: str, host: str, port: int, 
         pass
     if os.getppid() != server:
         os._exit(1)  # the fork server died before the line above armed PDEATHSIG
-    _release_fork_server()
+    from course_lib.launch import forkserver
+    forkserver.release_in_rank()   # the server outlives no notebook because of us: its docstring says why
     if port == 0:
         from course_lib.launch import stacks
         stacks.arm(os.path.dirname(host), rank)   # a hang's report: this rank's stack on SIGUSR1

@@ -1,6 +1,8 @@
-"""What a call of :func:`course_lib.run` gives back: per-rank results, or an error that names the ranks."""
+"""What a call of :func:`course_lib.run` gives back: per-rank results, or an error that names the ranks (and how the
+ranks are named in any text: :func:`ranks_text`, :func:`describe_deaths`)."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from course_lib.comm.ledger import Ledger
@@ -91,3 +93,40 @@ class RunResult(list):
     backend: str
     #: wall-clock milestones of the rank processes' start when this call started them, else None
     startup: dict | None = None
+
+
+def ranks_text(ranks, bare: bool = False) -> str:
+    """``[0..999] minus 7`` -> "ranks 0–6, 8–999": never more than a handful of numbers."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return ""
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append((start, a))
+            start = b
+    parts = [f"{a}" if a == b else (f"{a},{b}" if b == a + 1 else f"{a}–{b}") for a, b in runs]
+    if len(parts) > 4:
+        parts = parts[:3] + [f"… ({len(ranks)} ranks in all)"]
+    body = ",".join(parts)
+    if bare:
+        return body
+    return f"rank {body}" if len(ranks) == 1 else f"ranks {body}"
+
+
+def describe_deaths(dead: dict) -> str:
+    by_code: dict = {}
+    for r, c in dead.items():
+        by_code.setdefault(c, []).append(r)
+    return "; ".join(f"{ranks_text(rs)} {describe_exit(c)}" for c, rs in sorted(by_code.items(), key=lambda x: min(x[1])))
+
+
+def describe_exit(code) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
