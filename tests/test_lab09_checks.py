@@ -4,12 +4,9 @@ the checks say they are. The wrong answers, by kind of mistake, are in tests/wro
 from __future__ import annotations
 
 import pytest
+from exercise_contract import assert_right_passes_and_stub_waits
 
 from course_lib.checks import lab09
-
-
-def stub(*args):
-    raise NotImplementedError("Exercise not done yet: the idea goes here")
 
 
 @pytest.mark.parametrize("check, right", [
@@ -19,13 +16,7 @@ def stub(*args):
     (lab09.check_diverged_ranks, lab09.reference_diverged_ranks),
 ], ids=["hang_report", "first_nonfinite", "spec_fix", "diverged_ranks"])
 def test_right_answer_passes_and_stub_waits(check, right, capsys):
-    name = check.exercise.name
-    assert check(right) is True
-    assert f"✅ {name}:" in capsys.readouterr().out
-    assert check(stub) is False
-    out = capsys.readouterr().out
-    assert f"⏳ {name}: not implemented yet — the idea goes here" in out
-    assert "The check will test:" in out and f'checks.hint("{name}")' in out
+    assert_right_passes_and_stub_waits(check, right, capsys)
 
 
 def test_hang_cases_read_as_the_launcher_formats_stacks():

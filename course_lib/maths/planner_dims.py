@@ -51,7 +51,7 @@ from course_lib.maths import planner as pl
 from course_lib.maths import planner_moe as moe_
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
-from course_lib.maths.planner_moe import MoE
+from course_lib.maths.planner_moe import MoE, positive_ints
 
 __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_rank_layers", "in_flight",
            "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "plan", "MERGE_BYTES",
@@ -67,12 +67,6 @@ MERGE_BYTES = 32
 #: backward, per gradient element and step: dq, dk, dv (bf16, read 2) added into fp32 accumulators (r4 w4), and the
 #: fp32 dK/dV concatenated to be sent on (r4 w4 for two of the three): 10 + 8·2/3, rounded
 GRAD_MERGE_BYTES = 15
-
-
-def _ints(**kw):
-    bad = {k: v for k, v in kw.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-    if bad:
-        raise ValueError(f"{bad} must be ints >= 1")
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,7 @@ class Dims:
         if self.moe is not None and not isinstance(self.moe, MoE):
             raise ValueError(f"moe={self.moe!r} must be a planner_moe.MoE, e.g. MoE(n_experts=8, top_k=2, "
                              "d_ff_expert=14336, moe_layers=32)")
-        _ints(pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages, cp=self.cp,
+        positive_ints(pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages, cp=self.cp,
               ep=self.ep)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
