@@ -63,7 +63,8 @@ from course_lib.maths.flops import model_flops_per_token
 from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, ETH_10G, ETH_100G, GPU, H100, H100_TT500W, H200, IB_HDR,
                                          IB_NDR, NVLINK_A100, NVLINK_H100, PCIE4, ROCE_1600G, GiB, Link)
 
-__all__ = ["ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "course_gpt", "CHECKPOINTING", "BREAKDOWN",
+__all__ = ["positive_ints",
+           "ModelShape", "GPU", "Link", "Cluster", "Plan", "plan", "course_gpt", "CHECKPOINTING", "BREAKDOWN",
            "LLAMA3_8B", "LLAMA3_70B", "LLAMA_65B", "GPT3_175B", "A100_40GB", "A100_80GB", "H100", "H100_TT500W", "H200",
            "NVLINK_A100", "NVLINK_H100", "IB_HDR", "IB_NDR", "ROCE_1600G", "ETH_100G", "ETH_10G", "PCIE4", "GiB"]
 
@@ -80,11 +81,12 @@ NCCL_CHANNELS = 16            #: SMs a running collective takes from compute (pl
 IDLE_FRACTION = 0.148
 
 
-def _positive_ints(obj, names):
-    bad = {k: getattr(obj, k) for k in names
-           if isinstance(getattr(obj, k), bool) or not isinstance(getattr(obj, k), int) or getattr(obj, k) < 1}
+def positive_ints(what: str, **sizes) -> None:
+    """Raise naming every one of ``sizes`` that is not an int >= 1 (bools refused): the planner's sizes, degrees and
+    counts, checked up front by every config (``what`` names it)."""
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
-        raise ValueError(f"{type(obj).__name__} sizes must be positive ints, got {bad}")
+        raise ValueError(f"{what} sizes must be positive ints, got {bad}: all must be ints >= 1")
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,9 @@ class ModelShape:
     fused_qkv: bool = False        #: one Wqkv matmul (MPT, GPT) instead of three
 
     def __post_init__(self):
-        _positive_ints(self, ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"))
+        positive_ints(type(self).__name__, **{k: getattr(self, k) for k in ("n_layers", "d_model", "n_heads",
+                                                                             "n_kv_heads", "d_ff", "vocab_size",
+                                                                             "seq_len")})
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"d_model({self.d_model}) must divide by n_heads({self.n_heads}) and n_heads by "
                              f"n_kv_heads({self.n_kv_heads}); e.g. d_model=4096, n_heads=32, n_kv_heads=8")
@@ -155,7 +159,7 @@ class Cluster:
     inter: Link = IB_NDR
 
     def __post_init__(self):
-        _positive_ints(self, ("gpus_per_node", "nodes"))
+        positive_ints(type(self).__name__, gpus_per_node=self.gpus_per_node, nodes=self.nodes)
 
     world = property(lambda self: self.gpus_per_node * self.nodes)
 

@@ -51,7 +51,8 @@ from course_lib.maths import planner as pl
 from course_lib.maths import planner_moe as moe_
 from course_lib.maths import planner_work as work
 from course_lib.maths import strategy as strategies
-from course_lib.maths.planner_moe import MoE, positive_ints
+from course_lib.maths.planner import positive_ints
+from course_lib.maths.planner_moe import MoE
 
 __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_rank_layers", "in_flight",
            "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "plan", "MERGE_BYTES",
@@ -85,8 +86,8 @@ class Dims:
         if self.moe is not None and not isinstance(self.moe, MoE):
             raise ValueError(f"moe={self.moe!r} must be a planner_moe.MoE, e.g. MoE(n_experts=8, top_k=2, "
                              "d_ff_expert=14336, moe_layers=32)")
-        positive_ints(pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages, cp=self.cp,
-              ep=self.ep)
+        positive_ints("Dims", pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages,
+                      cp=self.cp, ep=self.ep)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HostCalibration", "COURSE_CPU", "LENT_H200_HOST", "EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S", "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER",
+__all__ = ["HostCalibration", "COURSE_CPU", "LENT_H200_HOST", "EAGER_COUNTS", "DISPATCH_S", "STEP_FIXED_S",
+           "FSDP_UNIT_S", "LAUNCH_S", "COMPILED_KERNELS_PER_LAYER",
            "HostWork",
            "dispatches_per_step", "host_seconds", "FRAMEWORKS"]
 

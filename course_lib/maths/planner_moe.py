@@ -15,15 +15,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["positive_ints", "MoE", "moe_params", "moe_active_params", "moe_flops_per_token", "all_to_all_bytes_per_layer",
+from course_lib.maths.planner import positive_ints
+
+__all__ = ["MoE", "moe_params", "moe_active_params", "moe_flops_per_token", "all_to_all_bytes_per_layer",
            "expert_state_bytes", "active_shape"]
-
-
-def positive_ints(**kw):
-    """Raise naming every keyword that is not an int >= 1 (bools refused): the planner's degrees and counts."""
-    bad = {k: v for k, v in kw.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-    if bad:
-        raise ValueError(f"{bad} must be ints >= 1")
 
 
 @dataclass(frozen=True)
@@ -37,7 +32,8 @@ class MoE:
     shared_experts: int = 0   #: experts every token also runs (DeepSeek's shared expert), kept on every rank
 
     def __post_init__(self):
-        positive_ints(n_experts=self.n_experts, top_k=self.top_k, d_ff_expert=self.d_ff_expert, moe_layers=self.moe_layers)
+        positive_ints("MoE", n_experts=self.n_experts, top_k=self.top_k, d_ff_expert=self.d_ff_expert,
+                      moe_layers=self.moe_layers)
         if self.top_k > self.n_experts or self.shared_experts < 0:
             raise ValueError(f"top_k({self.top_k}) must be <= n_experts({self.n_experts}) and shared_experts"
                              f"({self.shared_experts}) >= 0; e.g. MoE(n_experts=8, top_k=2, ...)")
