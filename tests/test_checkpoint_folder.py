@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from read_only import read_only_view
 
 import course_lib
 from course_lib.apps import torchrun
@@ -162,22 +163,9 @@ def test_pruning_never_removes_a_step_another_run_wrote(tmp_path):
 
 
 # -- read-only folders load -------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _read_only_view(src, dst):
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a read-only bind mount")
-    dst.mkdir()
-    subprocess.run(["mount", "--bind", str(src), str(dst)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], check=True)
-        yield dst
-    finally:
-        subprocess.run(["umount", "-l", str(dst)], check=True)
-
-
 def test_a_read_only_folder_loads_and_refuses_only_a_save(dcp_folder, tmp_path):
     src, crcs = dcp_folder
-    with _read_only_view(src, tmp_path / "ro") as ro:
+    with read_only_view(src, tmp_path / "ro") as ro:
         mgr = cm.Checkpointer(ro)
         from course_lib.apps.train_config import TrainConfig
         mcfg = TrainConfig(world_size=1, n_layers=1, batch=4).model_config()

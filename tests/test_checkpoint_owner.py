@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from read_only import read_only_view
 
 import course_lib
 from course_lib.checks.lab07 import CKPT_CONFIG
@@ -174,19 +175,6 @@ def test_a_dead_owner_is_taken_over_a_live_one_refused_and_close_releases(tmp_pa
 
 
 # -- a read-only folder constructs and loads ---------------------------------------------------------------
-@contextlib.contextmanager
-def _read_only_view(src, dst):
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a read-only bind mount")
-    dst.mkdir()
-    subprocess.run(["mount", "--bind", str(src), str(dst)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], check=True)
-        yield dst
-    finally:
-        subprocess.run(["umount", "-l", str(dst)], check=True)
-
-
 def _read_only(root, want):
     import torch.distributed as dist
     mgr = cm.Checkpointer(root, keep=2)                              # constructs: nothing written, nothing locked
@@ -206,7 +194,7 @@ def _read_only(root, want):
 def test_a_read_only_folder_constructs_and_loads_bit_identically_on_2_ranks(contest, tmp_path):
     src = contest["root"]
     before = {p.name: cm.crc32_file(p) for p in src.rglob("*") if p.is_file()}
-    with _read_only_view(src, tmp_path / "ro") as ro:
+    with read_only_view(src, tmp_path / "ro") as ro:
         seen = course_lib.run(_read_only, str(ro), contest["a_states"][6], world_size=2)
     for r in seen:
         assert r["step"] == 6 and r["same_keys"] and r["differ"] == [], r
@@ -246,7 +234,7 @@ def test_a_read_only_orbax_folder_restores_and_refuses_only_a_save(tmp_path):
     mngr = cj.manager(tmp_path / "src", enable_async=False)
     cj.save(mngr, 1, state, {"data_step": 1})
     mngr.close()
-    with _read_only_view(tmp_path / "src", tmp_path / "ro") as ro:
+    with read_only_view(tmp_path / "src", tmp_path / "ro") as ro:
         mngr = cj.manager(ro)                                        # constructs: nothing written, nothing locked
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         got, meta = cj.restore(mngr, mngr.latest_step(), {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=one)})
