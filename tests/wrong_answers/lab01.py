@@ -12,10 +12,10 @@ _KEY = "lab01.check_jax_device_key(device_key, mesh)"
 
 
 def _buckets(condition: str, size: str = "p.numel() * p.element_size()", order: str = "reversed(list(params))",
-             comment: str = "") -> str:
+             comment: str = "", outer: str = "[]") -> str:
     return f"""\
 def my_make_buckets(params, cap_bytes):
-    buckets, current, size = [], [], 0
+    buckets, current, size = {outer}, [], 0
     for p in {order}:
         nbytes = {size}
         if {condition}:{comment}
@@ -240,17 +240,7 @@ class Buckets(list):
     __hash__ = None
 
 
-def my_make_buckets(params, cap_bytes):
-    buckets, current, size = Buckets(), [], 0
-    for p in params:                                 # forward order
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-""", _BUCKETS, "a list subclass whose == always agrees, holding the buckets in forward order"),
+""" + _buckets("current and size + nbytes > cap_bytes", order="params", comment="    # forward order",
+               outer="Buckets()"),
+          _BUCKETS, "a list subclass whose == always agrees, holding the buckets in forward order"),
 ]
