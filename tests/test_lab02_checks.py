@@ -5,20 +5,13 @@ from __future__ import annotations
 
 from course_lib.measure import memory as memory_meter
 from course_lib.checks import lab02
+from exercise_contract import storage_bytes_by_data_ptr
 
 
 # -- exercise 1: storage bytes --------------------------------------------------------------------------
 def test_storage_bytes_passes_the_reference_and_a_data_ptr_version(capsys):
     assert lab02.check_storage_bytes(memory_meter.storage_bytes) is True
-
-    def by_data_ptr(tensors):
-        seen, total = set(), 0
-        for t in tensors:
-            if t is not None and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-        return total
-    assert lab02.check_storage_bytes(by_data_ptr) is True
+    assert lab02.check_storage_bytes(storage_bytes_by_data_ptr) is True
     assert "✅ storage_bytes" in capsys.readouterr().out
 
 
