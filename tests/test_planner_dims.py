@@ -56,17 +56,43 @@ def test_p2p_bytes_per_step():
 # -- context parallel -----------------------------------------------------------------------------------------
 def test_ring_bytes_per_layer():
     fwd, bwd = pd.ring_bytes_per_layer(3, 2, 3006, 257)
-    assert fwd == pytest.approx(2 * 2 * 2 * 1002 * 257 * 2, rel=1e-12)     # (cp-1) x K, V of b·s/cp tokens, bf16
-    assert bwd == pytest.approx(2 * 2 * 2 * 1002 * 257 * (2 + 4), rel=1e-12)   # K, V again, dK, dV in fp32
+    assert fwd == pytest.approx(2 * 2 * 2 * 1002 * 257 * 2, rel=1e-12)          # (cp-1) K and V blocks of b·s/cp
+    # backward: K, V again over cp-1 hops; their fp32 dK, dV over cp hops, the last one home
+    assert bwd == pytest.approx(2 * 2 * 2 * 1002 * 257 * 2 + 3 * 2 * 2 * 1002 * 257 * 4, rel=1e-12)
     assert pd.ring_bytes_per_layer(1, 2, 3006, 257) == (0, 0)
     f2, b2 = pd.ring_bytes_per_layer(3, 2, 3006, 257, grad_bytes=2)
-    assert b2 == 2 * f2                                          # bf16 gradients: backward twice the forward
+    assert b2 == pytest.approx(f2 * (1 + 3 / 2), rel=1e-12)                     # bf16 gradients, one more hop
 
 
 def test_the_ring_hides_under_attention_unless_the_link_is_slow():
     assert pd.ring_exposed_s(4, 1e9, 1e11, 0.5) == 0.0          # 10 ms of transfer under 500 ms of attention
     assert pd.ring_exposed_s(4, 1e9, 1e9, 0.25) == pytest.approx(3 * 0.75)
     assert pd.ring_exposed_s(1, 1e9, 1e9, 0.0) == 0.0
+
+
+def test_an_all_gather_hides_under_one_block_a_ring_under_every_block():
+    """cp 5, K/V blocks of 1 GB at 10 GB/s (0.1 s each), dK/dV blocks of 2 GB, a block of attention 0.05 s forward."""
+    kv, grad, bw, blk = 1e9, 2e9, 1e10, 0.05
+    f, b = pd.cp_exposed_s(5, kv, grad, bw, blk, "allgather")
+    assert f == pytest.approx(4 * 0.1 - 0.05)                   # four blocks gathered at once, under one block
+    # backward: the gather under one backward block (0.125 s), dK/dV 0.2 s a hop under 0.125, the last hop bare
+    assert b == pytest.approx((0.4 - 0.125) + 4 * (0.2 - 0.125) + 0.2)
+    f, b = pd.cp_exposed_s(5, kv, grad, bw, blk, "ring", forward_passes=2)
+    assert f == pytest.approx(2 * 4 * (0.1 - 0.05))             # full AC: the forward's ring runs twice
+    assert b == pytest.approx(4 * 0.0 + 4 * (0.2 - 0.125) + 0.2)
+    assert pd.cp_exposed_s(1, kv, grad, bw, blk) == (0.0, 0.0)
+    with pytest.raises(ValueError, match=r"rotate='alltoall' must be one of \('allgather', 'ring'\)"):
+        pd.cp_exposed_s(2, kv, grad, bw, blk, "alltoall")
+
+
+def test_repeated_kv_moves_every_query_heads_width():
+    """torchtitan's Llama (end of 2024) repeated K/V to all 32 heads before attention: 4x the bytes of 8 KV heads."""
+    kw = dict(seq_len=65536, checkpointing="full", compile=True, float8=True)
+    own, rep = (pd.plan(pl.LLAMA3_8B, TT(1), 1, pd.Dims(cp=2, repeat_kv=r), **kw) for r in (False, True))
+    assert rep.ring_bytes == pytest.approx(own.ring_bytes * pl.LLAMA3_8B.d_model / pl.LLAMA3_8B.d_kv, rel=1e-12)
+    assert rep.step_s >= own.step_s
+    with pytest.raises(ValueError, match=r"cp_rotate='p2p' must be one of \('allgather', 'ring'\)"):
+        pd.Dims(cp=2, cp_rotate="p2p")
 
 
 def test_context_parallel_divides_tokens_not_attention():
@@ -207,11 +233,14 @@ def test_bad_moe_and_plans_are_refused_by_name():
 
 # -- the published runs -----------------------------------------------------------------------------------------
 #: rows the planner misses by more than 20%: the context-parallel rows of the benchmark past cp 2 on one node
-#: and the 256K row of the 4-D run, faster by 33-39% in the plan. The published step time grows faster with cp
+#: and the 256K row of the 4-D run, faster by 21-36% in the plan. The published step time grows faster with cp
 #: than attention's FLOPs do (8B: +4.5 s from cp 1 to 2, +17.7 s from 2 to 4 at the same s/cp and kernel
-#: shapes); nothing the planner models (ring, merges, kernels) grows that way. Kept in the table, not hidden.
+#: shapes); nothing the planner models (the all-gather, the ring, merges, kernels) grows that way. Kept, not hidden.
 KNOWN_MISSES = {"torchtitan 8B, 8 H100, CP4, 128K", "torchtitan 8B, 8 H100, CP8, 256K",
                 "torchtitan 405B, 512 H100, PP8, CP8, 256K"}
+#: held-out Megatron-Core rows missed: the 405B's plan is slower (0.70): its TP collectives are charged exposed
+#: (Megatron-Core overlaps them) and the CP ring's small cross-node messages ride NCCL's collective ramp
+KNOWN_HELD_OUT_MISSES = {"Megatron-Bridge Llama-3.1-405B, 1024 H100, TP8 PP8 VP8 CP2"}
 
 
 def test_published_pipeline_and_context_parallel_runs(capsys):
@@ -229,6 +258,26 @@ def test_published_pipeline_and_context_parallel_runs(capsys):
     # interleaving's gain: published 1.28x, the bubble alone gives (1 - 7/23) / (1 - 7/15)
     one, inter = rows[0], rows[1]
     assert inter["predicted"] / one["predicted"] == pytest.approx(inter["published"] / one["published"], rel=0.05)
+
+
+def test_held_out_megatron_runs(capsys):
+    """Megatron-Core runs with CP and interleaved pipelines, priced after the CP terms were last changed."""
+    rows = runs.compare(runs.DIMS_HELD_OUT)
+    with capsys.disabled():
+        print("\n" + runs.table(rows, "HELD OUT: MEGATRON-CORE, DGX-H100 (priced after the model was last changed)"))
+    assert {r.dims.cp_rotate for r in runs.DIMS_HELD_OUT} == {"ring"} and not any(r.dims.repeat_kv
+                                                                                  for r in runs.DIMS_HELD_OUT)
+    assert sum(r.dims.cp > 1 for r in runs.DIMS_HELD_OUT) >= 3 and all(r.dims.schedule == "interleaved"
+                                                                        for r in runs.DIMS_HELD_OUT[1:])
+    missed = {r["run"] for r in rows if not 0.8 <= r["ratio"] <= 1.2}
+    assert missed == KNOWN_HELD_OUT_MISSES, {r["run"]: round(r["ratio"], 3) for r in rows}
+    # every held-out row: global batch / (micro-batch 1 x dp) micro-batches, the run's GPUs all used
+    for run in runs.DIMS_HELD_OUT:
+        p = run.plan()
+        assert p.tokens_per_step * run.cluster.world == pytest.approx(
+            run.batch * run.seq_len * run.cluster.world / (run.tp * run.dims.cp * run.dims.pp))
+        assert run.batch == run.dims.micro_batches and run.title
+        assert p.total <= run.cluster.gpu.memory_bytes, (run.name, p.total / GiB)   # the run fit on its GPUs
 
 
 def test_dims_rows_are_plain_and_cite_their_table():

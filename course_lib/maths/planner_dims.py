@@ -22,12 +22,22 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 2.2):
 **Context parallel** (``cp`` ranks share each sequence; ring attention: Liu et al., "Ring Attention with
 Blockwise Transformers for Near-Infinite Context"; PyTorch's ``context_parallel``, load-balanced): each rank keeps
 ``s/cp`` tokens, so matmuls, activations and pointwise work divide by ``cp``, while each of its tokens still
-attends over the whole sequence. Per layer, the ring passes every rank's K/V block on, ``cp-1`` steps:
-``(cp-1)·2·b·(s/cp)·d_kv·bytes`` forward; backward sends K/V again and dK/dV back (``grad_bytes`` each: PyTorch
-accumulates them in fp32). A step's transfer hides under that step's block of attention; what does not fit is
-exposed. PyTorch merges each step's partial output into an fp32 running output (``_SDPAMerger``,
-``convert_to_f32=True``): ``MERGE_BYTES`` per element forward and ``GRAD_MERGE_BYTES`` per gradient element
-backward, memory-bound.
+attends over the whole sequence. Per layer, every rank's K/V block reaches the other ``cp-1`` ranks:
+``(cp-1)·2·b·(s/cp)·w·bytes`` forward, ``w`` the K/V width (``d_kv``, or ``d_model`` where the model repeats
+K/V to every query head before attention, as torchtitan's Llama did at the end of 2024: ``Dims.repeat_kv``);
+backward sends K/V again, and the dK/dV accumulators (``grad_bytes``: PyTorch keeps them in fp32) travel ``cp``
+hops, the last one home. How K/V travel is ``Dims.cp_rotate``:
+
+* ``"allgather"`` (PyTorch's default, and torchtitan's ``context_parallel_rotate_method`` at the benchmark's
+  commit): one all-gather a pass, issued before the first block of attention and waited for at the second, so it
+  hides under one block only;
+* ``"ring"``: one block a step, each transfer under that step's block: ring attention proper (PyTorch's
+  ``"alltoall"`` method, and Transformer Engine's ``"p2p"`` context parallel that Megatron-LM runs).
+
+Backward, dK/dV go round the ring either way (PyTorch ``_templated_ring_attention_backward``: an all-to-all
+rotater); each hop hides under a block's backward except the last, waited for after the loop. PyTorch merges
+each step's partial output into an fp32 running output (``_SDPAMerger``, ``convert_to_f32=True``):
+``MERGE_BYTES`` per element forward and ``GRAD_MERGE_BYTES`` per gradient element backward, memory-bound.
 
 **Expert parallel** (the terms: :mod:`course_lib.maths.planner_moe`): a MoE model's compute and activations are
 priced on its active shape; ``ep`` ranks, drawn from the data and context-parallel ranks as torchtitan draws them,
@@ -36,9 +46,14 @@ the critical path (torchtitan's default dispatcher does not overlap them); every
 the whole stage either way (``E/ep`` experts, FSDP over the other ``dp·cp/ep``), and a rank gathers ``E/ep``
 experts a layer where the active shape gathers ``top_k``. FSDP's traffic is priced on the active shape.
 
-Validated against published runs that use them: :data:`course_lib.maths.planner_runs.DIMS_VALIDATION`, printed
-by :func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP, zero-bubble schedules, DualPipe, the
-host (:mod:`course_lib.maths.planner_host`: at these sizes a step is tens of seconds of device time).
+Validated against published runs that use them: :data:`course_lib.maths.planner_runs.DIMS_VALIDATION` (torchtitan)
+and :data:`~course_lib.maths.planner_runs.DIMS_HELD_OUT` (Megatron-Core), printed by
+:func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP and Megatron-Core's overlapped TP
+collectives, zero-bubble schedules, DualPipe, the host (:mod:`course_lib.maths.planner_host`: at these sizes a
+step is tens of seconds of device time).
+
+Longer than ~300 lines: :func:`plan` composes the pipeline, context and expert-parallel terms and their memory in one
+step; each term is a small tested function above it.
 """
 from __future__ import annotations
 
@@ -55,10 +70,13 @@ from course_lib.maths.planner import positive_ints
 from course_lib.maths.planner_moe import MoE
 
 __all__ = ["SCHEDULES", "MoE", "Dims", "DimsPlan", "bubble_fraction", "busiest_rank_layers", "in_flight",
-           "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "plan", "MERGE_BYTES",
-           "GRAD_MERGE_BYTES"]
+           "p2p_bytes_per_step", "ring_bytes_per_layer", "ring_exposed_s", "cp_exposed_s", "plan", "MERGE_BYTES",
+           "GRAD_MERGE_BYTES", "CP_ROTATE"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: how context parallel moves K/V: all-gathered once (PyTorch's default ``set_rotate_method("allgather")``) or one
+#: block a step round a ring (PyTorch's ``"alltoall"``, Transformer Engine's ``"p2p"``)
+CP_ROTATE = ("allgather", "ring")
 #: ring attention's fp32 merge per ring step, per element of the rank's output (PyTorch
 #: ``torch/distributed/tensor/experimental/_attention.py`` at the end of 2024, ``_SDPAMerger._merge_one``): the
 #: step's output cast to fp32 (r2 w4), ``out - block_out`` (r8 w4), the scaling (r4 w4), the update (r8 w4):
@@ -81,6 +99,8 @@ class Dims:
     cp: int = 1                  #: context-parallel ranks sharing each sequence
     ep: int = 1                  #: expert-parallel ranks sharing each MoE layer's experts
     moe: MoE | None = None       #: the model's mixture-of-experts layers (:class:`~course_lib.maths.planner_moe.MoE`)
+    cp_rotate: str = "allgather"  #: how K/V reach the other cp ranks: "allgather" or "ring" (:data:`CP_ROTATE`)
+    repeat_kv: bool = False      #: K/V repeated to every query head before attention: the ring moves d_model a token
 
     def __post_init__(self):
         if self.moe is not None and not isinstance(self.moe, MoE):
@@ -88,6 +108,9 @@ class Dims:
                              "d_ff_expert=14336, moe_layers=32)")
         positive_ints("Dims", pp=self.pp, micro_batches=self.micro_batches, virtual_stages=self.virtual_stages,
                       cp=self.cp, ep=self.ep)
+        if self.cp_rotate not in CP_ROTATE:
+            raise ValueError(f"cp_rotate={self.cp_rotate!r} must be one of {CP_ROTATE}: PyTorch's default "
+                             "all-gathers K/V, a ring passes one block a step")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
@@ -139,16 +162,40 @@ def p2p_bytes_per_step(d: Dims, micro_batch: int, seq_len: int, d_model: int, by
 
 def ring_bytes_per_layer(cp: int, batch: int, seq_len: int, d_kv: int, bytes_per: int = 2,
                          grad_bytes: int = 4) -> tuple[float, float]:
-    """``(forward, backward)`` bytes one rank sends per layer: ``(cp-1)`` K/V blocks of ``b·(s/cp)`` tokens;
-    backward the K/V blocks again and their dK/dV in ``grad_bytes``."""
+    """``(forward, backward)`` bytes one rank sends per layer: ``(cp-1)`` K/V blocks of ``b·(s/cp)`` tokens
+    ``d_kv`` wide; backward the K/V blocks again and ``cp`` hops of their dK/dV in ``grad_bytes`` (the last hop
+    brings a rank's accumulated gradient home)."""
+    if cp == 1:
+        return 0, 0
     blk = batch * seq_len / cp * d_kv
-    return (cp - 1) * 2 * blk * bytes_per, (cp - 1) * 2 * blk * (bytes_per + grad_bytes)
+    return (cp - 1) * 2 * blk * bytes_per, (cp - 1) * 2 * blk * bytes_per + cp * 2 * blk * grad_bytes
 
 
 def ring_exposed_s(cp: int, step_bytes: float, bandwidth: float, block_s: float) -> float:
     """Seconds a layer's ring leaves exposed: each of ``cp-1`` steps sends ``step_bytes`` at ``bandwidth`` while
     one block of attention (``block_s``) runs."""
     return (cp - 1) * max(0.0, step_bytes / bandwidth - block_s) if cp > 1 else 0.0
+
+
+def cp_exposed_s(cp: int, kv_step_bytes: float, grad_step_bytes: float, bandwidth: float, block_s: float,
+                 rotate: str = "allgather", forward_passes: int = 1) -> tuple[float, float]:
+    """``(forward, backward)`` seconds one layer's context parallel leaves exposed, ``block_s`` one block's
+    forward attention (its backward 2.5x): K/V all-gathered under the first block (``"allgather"``) or passed one
+    block a step (``"ring"``), ``forward_passes`` times (2 under full AC); backward K/V the same way under
+    the backward's blocks, dK/dV round the ring, the last of ``cp`` hops waited for after the loop."""
+    if cp == 1:
+        return 0.0, 0.0
+    if rotate not in CP_ROTATE:
+        raise ValueError(f"rotate={rotate!r} must be one of {CP_ROTATE}")
+
+    def kv(block):
+        if rotate == "allgather":
+            return max(0.0, (cp - 1) * kv_step_bytes / bandwidth - block)
+        return ring_exposed_s(cp, kv_step_bytes, bandwidth, block)
+
+    back = kv(2.5 * block_s) + ring_exposed_s(cp, grad_step_bytes, bandwidth, 2.5 * block_s) \
+        + grad_step_bytes / bandwidth
+    return forward_passes * kv(block_s), back
 
 
 @dataclass(frozen=True)
@@ -210,20 +257,21 @@ def plan(model, cluster, batch: int, dims: Dims, *, seq_len: int | None = None, 
     fwd_passes = 2 if checkpointing == "full" else 1      # full AC runs attention's forward (and its ring) again
     extra_attn = (cp - 1) * attn * (1 + (fwd_passes - 1) / 3.5)
     b, tok = batch // m, batch // m * s / cp
-    f_bytes, b_bytes = ring_bytes_per_layer(cp, b, s, model.d_kv // tp)
+    kv_w = (model.d_model if dims.repeat_kv else model.d_kv) // tp      # K/V width a rank's attention sees
+    f_bytes, b_bytes = ring_bytes_per_layer(cp, b, s, kv_w)
     ring_bytes = layers * (fwd_passes * f_bytes + b_bytes)
     ring_exp = merge_s = 0.0
     if cp > 1:
         across = cp * tp > cluster.gpus_per_node
         link = cluster.inter if across else cluster.intra
+        kv_step = f_bytes / (cp - 1)                      # one rank's K/V block
         bw = (link.bandwidth_bytes_per_s / (cluster.gpus_per_node if across else 1)) * link.bus_fraction_at(
-            f_bytes / (cp - 1))
+            kv_step)
         block = (attn + extra_attn) / layers / cp / (fwd_passes + 2.5)   # one ring step's attention, one pass
-        ring_exp = layers * (fwd_passes * ring_exposed_s(cp, f_bytes / (cp - 1), bw, block)
-                             + ring_exposed_s(cp, b_bytes / (cp - 1), bw, 2.5 * block))
+        ring_exp = layers * sum(cp_exposed_s(cp, kv_step, kv_step * 2, bw, block, dims.cp_rotate, fwd_passes))
         merged = (cp - 1) * tok / tp * layers
         merge_s = stretch * merged * (fwd_passes * MERGE_BYTES * model.d_model
-                                      + GRAD_MERGE_BYTES * (model.d_model + 2 * model.d_kv)) / gpu.stream_bytes_per_s
+                                      + GRAD_MERGE_BYTES * (model.d_model + 2 * kv_w * tp)) / gpu.stream_bytes_per_s
     # -- expert parallel: dispatch + combine on the critical path -------------------------------------------
     a2a = a2a_s = extra_experts = 0.0
     if moe is not None:
