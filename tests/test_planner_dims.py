@@ -12,8 +12,7 @@ from course_lib.maths import planner as pl, planner_dims as pd, planner_moe as p
 from course_lib.maths import planner_work as work
 from course_lib.maths.planner_hw import H100_TT500W, IB_NDR, NVLINK_H100, GiB
 
-MIXTRAL = pl.ModelShape("Mixtral-8x7B", 32, 4096, 32, 8, 14336, 32000, 32768)   # dense twin of Mixtral 8x7B
-MIXTRAL_MOE = pm.MoE(n_experts=8, top_k=2, d_ff_expert=14336, moe_layers=32)
+MIXTRAL, MIXTRAL_MOE = runs.MIXTRAL_8X7B, runs.MIXTRAL_8X7B_MOE   # the dense twin of Mixtral 8x7B, its experts
 TT = lambda nodes: pl.Cluster(H100_TT500W, 8, nodes, NVLINK_H100, IB_NDR)  # noqa: E731
 
 
@@ -269,6 +268,7 @@ def test_held_out_megatron_runs(capsys):
                                                                                   for r in runs.DIMS_HELD_OUT)
     assert sum(r.dims.cp > 1 for r in runs.DIMS_HELD_OUT) >= 3 and all(r.dims.schedule == "interleaved"
                                                                         for r in runs.DIMS_HELD_OUT[1:])
+    assert any(r.dims.ep > 1 and r.dims.moe for r in runs.DIMS_HELD_OUT)          # expert parallel, published
     missed = {r["run"] for r in rows if not 0.8 <= r["ratio"] <= 1.2}
     assert missed == KNOWN_HELD_OUT_MISSES, {r["run"]: round(r["ratio"], 3) for r in rows}
     # every held-out row: global batch / (micro-batch 1 x dp) micro-batches, the run's GPUs all used
@@ -278,6 +278,18 @@ def test_held_out_megatron_runs(capsys):
             run.batch * run.seq_len * run.cluster.world / (run.tp * run.dims.cp * run.dims.pp))
         assert run.batch == run.dims.micro_batches and run.title
         assert p.total <= run.cluster.gpu.memory_bytes, (run.name, p.total / GiB)   # the run fit on its GPUs
+
+
+def test_megatrons_flop_count_by_hand():
+    """Megatron-LM's count (MCore v0.9), Mixtral 8x7B at 4,096 tokens: 12·L·h²·[(1 + 8/32 + 4096/4096)
+    + 14336/4096 · 2 · 3/2 + 32000/(2·32·4096)], and a dense 4K-vocabulary toy with a plain MLP at 17 tokens."""
+    mix = 12 * 32 * 4096**2 * ((1 + 8 / 32 + 1) + 3.5 * 2 * 1.5 + 32000 / (2 * 32 * 4096))
+    assert runs.megatron_flops_per_token(MIXTRAL, 4096, top_k=2) == pytest.approx(mix, rel=1e-12)
+    toy = pl.ModelShape("toy", 3, 256, 4, 2, 1024, 4096, 64, gated_mlp=False)
+    assert runs.megatron_flops_per_token(toy, 17) == pytest.approx(
+        12 * 3 * 256**2 * ((1 + 2 / 4 + 17 / 256) + 4 + 4096 / (2 * 3 * 256)), rel=1e-12)
+    mixtral_row = [r for r in runs.DIMS_HELD_OUT if r.dims.moe][0]
+    assert mixtral_row.tokens_per_s == round(468e12 / mix) == 5643
 
 
 def test_dims_rows_are_plain_and_cite_their_table():

@@ -47,7 +47,7 @@ the whole stage either way (``E/ep`` experts, FSDP over the other ``dp·cp/ep``)
 experts a layer where the active shape gathers ``top_k``. FSDP's traffic is priced on the active shape.
 
 Validated against published runs that use them: :data:`course_lib.maths.planner_runs.DIMS_VALIDATION` (torchtitan)
-and :data:`~course_lib.maths.planner_runs.DIMS_HELD_OUT` (Megatron-Core), printed by
+and :data:`~course_lib.maths.planner_runs.DIMS_HELD_OUT` (Megatron-Core, Mixtral with EP 8 among them), printed by
 :func:`course_lib.maths.planner_runs.dims_rows`. Not modelled: AsyncTP and Megatron-Core's overlapped TP
 collectives, zero-bubble schedules, DualPipe, the host (:mod:`course_lib.maths.planner_host`: at these sizes a
 step is tens of seconds of device time).

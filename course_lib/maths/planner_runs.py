@@ -41,19 +41,23 @@ torchtitan's Llama repeats K/V to every query head before attention and its cont
 at CP 8 (1.21), faster in the plan: the published time grows faster with ``cp`` than attention's work does, by more
 than the all-gather, the ring and its merges explain (``KNOWN_MISSES`` in tests/test_planner_dims.py).
 
-**Held out** -- :data:`DIMS_HELD_OUT`: four Megatron-Core runs on DGX-H100 with context parallel and interleaved
-pipelines ([NEMO] NVIDIA/NeMo ``docs/source/performance/performance_summary.md``, NeMo 24.07; [MBRIDGE]
-NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary.md``, 25.11 container, with its recipes). Added after the
-context-parallel terms above were last changed and priced with the settings :func:`_megatron` names; no constant
-or rule was changed after their ratios were seen. Three of four land within ±20%; the 405B (TP 8, PP 8, VP 8,
-CP 2 on 1,024 GPUs) is 0.70: the plan charges its tensor-parallel collectives exposed (Megatron-Core overlaps them)
-and prices the context-parallel ring's small cross-node messages on NCCL's collective bandwidth ramp. Both are
-named, not fixed: a fix chosen now would be fitted to this row.
+**Held out** -- :data:`DIMS_HELD_OUT`: five Megatron-Core runs on DGX-H100 with context parallel, interleaved
+pipelines and expert parallel ([NEMO] NVIDIA/NeMo ``docs/source/performance/performance_summary.md``, NeMo 24.07;
+[MBRIDGE] NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary.md``, 25.11 container, with its recipes;
+[MCORE-MOE] NVIDIA/Megatron-LM ``megatron/core/transformer/moe/README.md``: 468 TFLOP/s for Mixtral 8x7B in bf16
+with MCore v0.9, on its reference mapping, converted to tokens/s with Megatron's own FLOP count,
+:func:`megatron_flops_per_token`). Added after the context-parallel terms above were last changed and priced with
+the settings :func:`_megatron` names; no constant or rule was changed after their ratios were seen. Four of five
+land within ±20%, the expert-parallel Mixtral run among them (1.10); the 405B (TP 8, PP 8, VP 8, CP 2 on 1,024
+GPUs) is 0.70: the plan charges its tensor-parallel collectives exposed (Megatron-Core overlaps them) and prices
+the context-parallel ring's small cross-node messages on NCCL's collective bandwidth ramp. Both are named, not
+fixed: a fix chosen now would be fitted to this row.
 
-**Expert parallel** -- no published throughput is validated: the H100 MoE rows of the sources above are Qwen3
-(128 fine-grained experts, a head width other than ``d/heads``), DeepSeek-V3 (latent attention, DualPipe) and
-GPT-OSS (sliding-window attention with sinks), none of which :class:`~course_lib.maths.planner.ModelShape`
-expresses. Mixtral 8x7B's parameter counts are checked (tests/test_planner_dims.py).
+**Expert parallel** -- one published throughput, the Mixtral row above. Megatron-LM's README pairs the figure with
+the mapping in its prose, not in one table row (the pairing is this module's reading), and its "VP 8" is read as
+eight virtual stages a rank (NeMo's meaning of the column). The H100 MoE rows of [MBRIDGE] are Qwen3 (128
+fine-grained experts, a head width other than ``d/heads``), DeepSeek-V3 (latent attention, DualPipe) and GPT-OSS
+(sliding-window attention with sinks), none of which :class:`~course_lib.maths.planner.ModelShape` expresses.
 
 Longer than ~300 lines: the runs are data, each with its source and settings; splitting them from the
 comparison would put a run's number in one file and its reading in another.
@@ -63,6 +67,7 @@ and how many land within ±20%.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -72,6 +77,7 @@ from course_lib.maths.planner_hw import (A100_40GB, A100_80GB, H100, H100_TT500W
                                          NVLINK_H100, ROCE_1600G, GiB)
 
 __all__ = ["PublishedRun", "DimsRun", "CALIBRATION", "VALIDATION", "DIMS_VALIDATION", "DIMS_HELD_OUT", "dims_rows",
+           "MIXTRAL_8X7B", "MIXTRAL_8X7B_MOE", "MIXTRAL_8X7B_TFLOPS", "megatron_flops_per_token",
            "LLAMA3_405B",
            "compare", "summary", "table", "LLAMA2_7B", "LLAMA2_13B",
            "LLAMA2_34B", "LLAMA2_70B", "MPT"]
@@ -230,6 +236,29 @@ DIMS_VALIDATION = (
 )
 
 
+#: Jiang et al., "Mixtral of Experts" (2024), table 1: Mistral 7B's shape with 8 experts of d_ff 14336, top 2
+MIXTRAL_8X7B = pl.ModelShape("Mixtral-8x7B", 32, 4096, 32, 8, 14336, 32000, 32768)
+MIXTRAL_8X7B_MOE = pd.MoE(n_experts=8, top_k=2, d_ff_expert=14336, moe_layers=32)
+_MCORE_MOE = "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md (MCore v0.9; H100 80GB, 8 x 400 Gb/s IB)"
+
+
+def megatron_flops_per_token(model, seq_len: int, top_k: int = 1) -> float:
+    """Model FLOPs per token as Megatron-LM counted them when it reported TFLOP/s (``training.py``,
+    ``num_floating_point_operations``, MCore v0.9): ``12·L·h²·[(1 + g/a + s/h) + (ffn/h)·k·(3/2 if SwiGLU) +
+    V/(2·L·h)]`` -- attention counted over the full square (no causal halving), the logits in, the input embedding
+    out. Divide a published TFLOP/s by it to get the tokens/s it was measured from."""
+    L, h = model.n_layers, model.d_model
+    attention = 1 + model.n_kv_heads / model.n_heads + seq_len / h
+    mlp = model.d_ff / h * top_k * (1.5 if model.gated_mlp else 1.0)
+    return 12 * L * h * h * (attention + mlp + model.vocab_size / (2 * L * h))
+
+
+#: "With MCore v0.9, we've achieved remarkable performance of 468 TFLOPS for Mixtral 8X7B bf16 training", run on the
+#: README's "Reference Best Parallel Mapping" for 8x7B (dropless, all-to-all dispatcher, 64 GPUs, TP 1, EP 8, PP 4,
+#: VP 8, MBS 1, GBS 256, sequence 4096): 468e12 / megatron_flops_per_token = tokens/s per GPU
+MIXTRAL_8X7B_TFLOPS = 468
+
+
 _NEMO_FILE = "NVIDIA/NeMo docs/source/performance/performance_summary.md (NeMo 24.07 container, DGX-H100, FP8)"
 _MB_FILE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 NeMo container, DGX-H100, FP8-CS; "
             "recipes scripts/performance/configs/llama)")
@@ -261,6 +290,11 @@ DIMS_HELD_OUT = (
               virtual_stages=5, **_VP),
     _megatron("Megatron-Bridge Llama-3.1-405B, 1024 H100, TP8 PP8 VP8 CP2", "MBRIDGE", LLAMA3_405B, 128, 512, 8192,
               292, tp=8, pp=8, virtual_stages=8, cp=2, **_VP),
+    dataclasses.replace(
+        _megatron("Megatron-LM Mixtral-8x7B, 64 H100, EP8 PP4 VP8, bf16", "MCORE-MOE", MIXTRAL_8X7B, 8, 256, 4096,
+                  round(MIXTRAL_8X7B_TFLOPS * 1e12 / megatron_flops_per_token(MIXTRAL_8X7B, 4096, 2)), pp=4,
+                  virtual_stages=8, ep=8, moe=MIXTRAL_8X7B_MOE, **_VP),
+        float8=False, reduce_bytes=2, title=_MCORE_MOE),      # --bf16, gradients reduced in bf16 (Megatron's default)
 )
 
 
@@ -322,8 +356,6 @@ def fit_calibration() -> dict:
     """The two constants fitted to training runs, recomputed from :data:`CALIBRATION` by bisection: the idle
     fraction (every GPU) from the eager run, then the fp8 GEMM fraction (H100) from the float8 run. The values
     written in :mod:`course_lib.maths.planner` and :mod:`course_lib.maths.planner_hw` are these, rounded."""
-    import dataclasses
-
     from course_lib.maths import planner_hw as hw
 
     def ratio(run, gpu, idle):
