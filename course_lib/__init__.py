@@ -18,8 +18,8 @@ module lives::
                table of GPU peaks), planner_work (FLOPs and bytes per token and op), planner_host (the host's
                time: dispatches per step x seconds per dispatch), planner_dims (pipeline and context
                parallel: bubble, p2p, ring; a step composed with FSDP x TP), planner_moe (expert parallel:
-               MoE parameters, FLOPs, all-to-all bytes), planner_runs (published runs: calibration and
-               validation sets), planner_course_runs (the capstone measured on a lent H200: the planner
+               MoE parameters, FLOPs, all-to-all bytes), planner_runs (published runs: calibration,
+               validation and held-out sets), planner_course_runs (the capstone measured on a lent H200: the planner
                judged by the course's own GPU runs)
   launch/      pool (run a notebook function on N ranks), preflight (run()'s checks; run under torchrun),
                forkserver (the torch and the jax fork server; which one a call needs), preload (a fork server's
