@@ -84,3 +84,34 @@ def test_the_hints_and_the_overflow_diagnosis_do_not_spell_out_the_merge():
         lab10.judge_ring_merge(lab10.run_ring_merge(overflowing))
     said += str(err.value)
     assert "logaddexp" not in said and "lse_a - lse" not in said and "lse_block - lse" not in said
+
+
+def test_an_endless_order_is_stopped_and_the_trace_function_before_it_is_restored():
+    """A ``while`` whose counter never moves once filled 24 GB and killed the kernel: the run half stops it after
+    LINE_BUDGET lines (an ``except Exception`` in the loop does not swallow the stop) and puts back the trace function
+    that was set (a debugger's, coverage's), on a normal return too."""
+    import sys
+
+    def endless(stage, p, m):
+        ops = []
+        while len(ops) >= 0:
+            try:
+                ops.append(("F", 0))
+            except Exception:
+                pass
+        return ops
+
+    def tracer(frame, event, arg):
+        return None
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        data = lab10.run_one_f_one_b(endless)
+        assert sys.gettrace() is tracer
+        lab10.run_one_f_one_b(lab10.reference_one_f_one_b)
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(before)
+    assert data["endless"] == "stage=0, p=4, m=8"
+    with pytest.raises(AssertionError, match="never returned"):
+        lab10.judge_one_f_one_b(data)

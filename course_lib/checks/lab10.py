@@ -4,11 +4,13 @@ on the check's inputs, its values as plain data) and a judge half that rebuilds 
 expected values itself: the schedule from :mod:`course_lib.strategies.pp.schedule` and its simulated timeline, full
 attention over all the keys, the dispatch matrix from :mod:`course_lib.strategies.ep.routing`.
 
-Longer than ~300 lines: four exercises, each with its cases and the diagnoses of its classic mistakes.
+Longer than ~300 lines: four exercises, each with its cases and the diagnoses of its classic mistakes (and the run
+halves that keep the types a later cell relies on, and stop an endless 1F1B loop).
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -79,9 +81,51 @@ def reference_one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
     return schedule.one_f_one_b_order(stage, p, m)
 
 
+#: Python lines one call of the learner's order may run (the reference runs a few dozen): past it, the call is
+#: stopped as an endless loop before its list fills the memory (a ``while`` whose counter never moves appends ~3
+#: million ops a second, and once took a kernel down at 24 GB)
+LINE_BUDGET = 1_000_000
+
+
+class _Endless(BaseException):
+    """Raised into the learner's code when a call runs past :data:`LINE_BUDGET` lines (a BaseException, so an
+    ``except Exception`` in the loop does not swallow it)."""
+
+
+def _bounded(fn, *args):
+    """Run half: ``fn(*args)``, stopped with :class:`_Endless` after :data:`LINE_BUDGET` traced lines. The line
+    count is :func:`sys.settrace`'s, this thread's only (no signal, no memory limit that other threads of the kernel
+    could hit); the trace function already set (a debugger's, coverage's) is restored afterwards."""
+    lines = 0
+
+    def local(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines > LINE_BUDGET:
+                raise _Endless
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(previous)
+
+
 def run_one_f_one_b(fn) -> dict:
-    """Run half: the learner's order for every stage of every case, as plain data."""
-    return {"got": [[_plain.plain(fn(s, p, m)) for s in range(p)] for p, m in ONE_F_ONE_B_CASES]}
+    """Run half: the learner's order for every stage of every case, as plain data; a call that never returns is
+    stopped (:func:`_bounded`) and named."""
+    got = []
+    for p, m in ONE_F_ONE_B_CASES:
+        got.append([])
+        for s in range(p):
+            try:
+                got[-1].append(_plain.plain(_bounded(fn, s, p, m)))
+            except _Endless:
+                return {"got": got, "endless": f"stage={s}, p={p}, m={m}"}
+    return {"got": got}
 
 
 def _ops(value) -> list[tuple[str, int]] | None:
@@ -127,6 +171,10 @@ def judge_one_f_one_b(data: dict, name: str = "one_f_one_b") -> str:
     """Judge half: each stage's order against 1F1B's; GPipe's order (right ops, wrong memory), a warm-up off by one,
     ops missing or repeated, a backward before its own forward, and orders that deadlock are named. A mismatch shows
     the learner's own ops around the first difference and the one op 1F1B runs there, never the whole order."""
+    if isinstance(data, dict) and data.get("endless"):
+        raise AssertionError(f"{name}({data['endless']}) never returned: stopped after {LINE_BUDGET:,} lines, where "
+                             "1F1B needs a few dozen: an endless loop (a while whose condition never changes: does "
+                             "the counter it tests move?) appends until the memory runs out")
     got_all = data.get("got") if isinstance(data, dict) else None
     if not isinstance(got_all, list) or len(got_all) != len(ONE_F_ONE_B_CASES):
         raise AssertionError(f"{name} was not run on every case; return a list of ('F', i) / ('B', i) ops")
@@ -184,6 +232,7 @@ def judge_one_f_one_b(data: dict, name: str = "one_f_one_b") -> str:
 @exercise("10", "one_f_one_b", cell="def one_f_one_b(", hints=HINTS["one_f_one_b"], guards=("cost", "boundary"),
           mistakes={"GPipe order": "that is GPipe's order", "warm-up off by one": "warm-up off by one",
                     "backward before forward": "before its own forward is impossible",
+                    "endless loop": "never returned",
                     "not every op once": "is not an order of every", "not a list of ops": "not a list of ops",
                     "wrong order": "differs from 1F1B"},
           judge=judge_one_f_one_b, references=("course_lib.strategies.pp.schedule.one_f_one_b_order",))

@@ -78,6 +78,14 @@ def one_f_one_b(stage, p, m):
 def one_f_one_b(stage, p, m):
     return [f"{k}{i}" for k, i in [("F", i) for i in range(m)] + [("B", i) for i in range(m)]]
 """, ORDER, "torch's labels ('F0') instead of ('F', 0)"),
+    Wrong("10", "one_f_one_b", "value", "endless loop", """\
+def one_f_one_b(stage, p, m):
+    ops, f, b = [], 0, 0
+    while b < m:                             # b never moves: appends until the memory runs out
+        ops.append(("F", f))
+        f += 1
+    return ops
+""", ORDER, "a while loop whose counter never moves: stopped, not left to fill the memory"),
     Wrong("10", "one_f_one_b", "crash", "crash", _order(warmup="p - stage - 1 if stage < p - 1 else None"), ORDER,
           "the last stage's warm-up is None: range(None)", ("TypeError",)),
     # -- bubble_fraction -----------------------------------------------------------------------------------------------
