@@ -283,7 +283,7 @@ class check:
             if self.tests:
                 line += f"\n   The check will test: {self.tests}"
             if self.name in _HINTS:
-                line += f'\n   Stuck? checks.hint("{self.name}") gives a hint; ask again for more.'
+                line += f'\n   Stuck? checks.hint("{self.name}") gives a hint; checks.hint("{self.name}", 2) says more.'
             print(line)
             self._notify("not attempted", line)
             return True                                   # swallowed: the lab keeps running

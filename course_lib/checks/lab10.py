@@ -4,11 +4,13 @@ on the check's inputs, its values as plain data) and a judge half that rebuilds 
 expected values itself: the schedule from :mod:`course_lib.strategies.pp.schedule` and its simulated timeline, full
 attention over all the keys, the dispatch matrix from :mod:`course_lib.strategies.ep.routing`.
 
-Longer than ~300 lines: four exercises, each with its cases and the diagnoses of its classic mistakes.
+Longer than ~300 lines: four exercises, each with its cases and the diagnoses of its classic mistakes (and the run
+halves that keep the types a later cell relies on, and stop an endless 1F1B loop).
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -42,13 +44,14 @@ HINTS = {
         "The fraction asked is idle time over the whole step (not over the useful time), and f and b cancel.",
     ],
     "ring_merge": [
-        "Softmax over all keys = a weighted mix of the softmaxes over each block, each weighted by its block's "
-        "share of the total exp-sum; lse is the log of that exp-sum.",
-        "The merged lse is the log of the sum of the two blocks' exp-sums; each output's weight is its exp-sum "
-        "over the merged one. Write the weights as exponentials of differences of lse, never exp of an lse alone: "
-        "scores of 100 overflow float32.",
-        "lse has one value per query row and o has D values per row: line the shapes up before you multiply. The "
-        "check merges three blocks in a row, so the lse you return must be right too, not only o.",
+        "Softmax over all keys = a weighted mix of the softmaxes over each block. The two weights are each block's "
+        "share of the total exp-sum, so they are positive and sum to 1; lse is the log of an exp-sum.",
+        "Never take exp of an lse on its own: with scores near 100 it is inf in float32 (near 1000, in float64 too), "
+        "and inf/inf is nan. Write everything you need in terms of lse values, so that each exponent you take "
+        "stays small (at most 0); the weights are ratios of exp-sums.",
+        "log(exp(a) + exp(b)) has a numerically stable primitive in torch: look it up before you write it. lse has "
+        "one value per query row and o has D values per row: line the shapes up before you multiply. The check "
+        "merges three blocks in a row, so the lse you return must be right too, and in the inputs' dtype.",
     ],
     "dispatch_counts": [
         "Each row is one source rank's send buffer: how many token copies go to each destination rank once "
@@ -78,9 +81,51 @@ def reference_one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
     return schedule.one_f_one_b_order(stage, p, m)
 
 
+#: Python lines one call of the learner's order may run (the reference runs a few dozen): past it, the call is
+#: stopped as an endless loop before its list fills the memory (a ``while`` whose counter never moves appends ~3
+#: million ops a second, and once took a kernel down at 24 GB)
+LINE_BUDGET = 1_000_000
+
+
+class _Endless(BaseException):
+    """Raised into the learner's code when a call runs past :data:`LINE_BUDGET` lines (a BaseException, so an
+    ``except Exception`` in the loop does not swallow it)."""
+
+
+def _bounded(fn, *args):
+    """Run half: ``fn(*args)``, stopped with :class:`_Endless` after :data:`LINE_BUDGET` traced lines. The line
+    count is :func:`sys.settrace`'s, this thread's only (no signal, no memory limit that other threads of the kernel
+    could hit); the trace function already set (a debugger's, coverage's) is restored afterwards."""
+    lines = 0
+
+    def local(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines > LINE_BUDGET:
+                raise _Endless
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(previous)
+
+
 def run_one_f_one_b(fn) -> dict:
-    """Run half: the learner's order for every stage of every case, as plain data."""
-    return {"got": [[_plain.plain(fn(s, p, m)) for s in range(p)] for p, m in ONE_F_ONE_B_CASES]}
+    """Run half: the learner's order for every stage of every case, as plain data; a call that never returns is
+    stopped (:func:`_bounded`) and named."""
+    got = []
+    for p, m in ONE_F_ONE_B_CASES:
+        got.append([])
+        for s in range(p):
+            try:
+                got[-1].append(_plain.plain(_bounded(fn, s, p, m)))
+            except _Endless:
+                return {"got": got, "endless": f"stage={s}, p={p}, m={m}"}
+    return {"got": got}
 
 
 def _ops(value) -> list[tuple[str, int]] | None:
@@ -104,14 +149,37 @@ def _with_warmup(w: int, m: int) -> list[tuple[str, int]]:
     return ops + [("B", i) for i in range(m - w, m)]
 
 
+def _backward_first(ops: list[tuple[str, int]]) -> tuple[int, int] | None:
+    """(position, micro-batch) of the first ``('B', i)`` that comes before its own ``('F', i)``, or None."""
+    seen = set()
+    for k, (kind, mb) in enumerate(ops):
+        if kind == "F":
+            seen.add(mb)
+        elif mb not in seen:
+            return k, mb
+    return None
+
+
+def _around(ops: list, k: int, before: int = 2, after: int = 2) -> str:
+    """The learner's ops around position ``k``, labelled with their positions."""
+    lo, hi = max(0, k - before), min(len(ops), k + after + 1)
+    return (f"your ops {lo}..{hi - 1}: " + ("..., " if lo else "") + ", ".join(map(repr, ops[lo:hi]))
+            + (", ..." if hi < len(ops) else ""))
+
+
 def judge_one_f_one_b(data: dict, name: str = "one_f_one_b") -> str:
     """Judge half: each stage's order against 1F1B's; GPipe's order (right ops, wrong memory), a warm-up off by one,
-    ops missing or repeated, and orders that deadlock are named."""
+    ops missing or repeated, a backward before its own forward, and orders that deadlock are named. A mismatch shows
+    the learner's own ops around the first difference and the one op 1F1B runs there, never the whole order."""
+    if isinstance(data, dict) and data.get("endless"):
+        raise AssertionError(f"{name}({data['endless']}) never returned: stopped after {LINE_BUDGET:,} lines, where "
+                             "1F1B needs a few dozen: an endless loop (a while whose condition never changes: does "
+                             "the counter it tests move?) appends until the memory runs out")
     got_all = data.get("got") if isinstance(data, dict) else None
     if not isinstance(got_all, list) or len(got_all) != len(ONE_F_ONE_B_CASES):
         raise AssertionError(f"{name} was not run on every case; return a list of ('F', i) / ('B', i) ops")
+    every = []                                   # (call, stage, p, m, ops) of every stage that is a list of all ops
     for (p, m), per_stage in zip(ONE_F_ONE_B_CASES, got_all):
-        orders = []
         for s, value in enumerate(per_stage):
             call = f"{name}(stage={s}, p={p}, m={m})"
             ops = _ops(value)
@@ -126,21 +194,34 @@ def judge_one_f_one_b(data: dict, name: str = "one_f_one_b") -> str:
                                      f"once: {len(ops)} ops, expected {len(want)}"
                                      + (f"; ops that do not exist: {extra[:4]}" if extra else
                                         f"; missing or repeated: {sorted(set(want) - set(ops))[:4] or 'a repeat'}"))
-            if ops != want:
-                held, peak = schedule.peak_activations(ops), schedule.peak_activations(want)
-                if ops == schedule.gpipe_order(s, p, m) and held > peak:
-                    raise AssertionError(f"{call}: that is GPipe's order (every forward, then every backward): the "
-                                         f"same bubble, but stage {s} holds the activations of {held} micro-batches "
-                                         f"at once, where 1F1B holds {peak} (at most p - stage)")
-                w = p - s - 1
-                for dw in (1, -1):
-                    if w + dw >= 0 and _with_warmup(w + dw, m) == ops and _with_warmup(w + dw, m) != want:
-                        raise AssertionError(f"{call}: warm-up off by one: {min(w + dw, m)} forwards before the "
-                                             f"first backward, expected {min(w, m)} (p - stage - 1, at most m)")
-                first = next(k for k, (a, b) in enumerate(zip(ops, want)) if a != b)
-                raise AssertionError(f"{call} differs from 1F1B at op {first}: got {ops[first]}, expected "
-                                     f"{want[first]}; the order: {want}")
-            orders.append(ops)
+            every.append((call, s, p, m, ops))
+    for call, s, p, m, ops in every:             # impossible on any stage: named before any other difference
+        bad = _backward_first(ops)
+        if bad is not None:
+            k, mb = bad
+            raise AssertionError(f"{call}: ('B', {mb}) at op {k} comes before its own forward ('F', {mb}): a backward "
+                                 "before its own forward is impossible (it needs that forward's activations); in the "
+                                 f"steady state each step is a forward, then a backward; {_around(ops, k)}")
+    by_case: dict[tuple[int, int], list] = {}
+    for call, s, p, m, ops in every:
+        want = schedule.one_f_one_b_order(s, p, m)
+        if ops != want:
+            held, peak = schedule.peak_activations(ops), schedule.peak_activations(want)
+            if ops == schedule.gpipe_order(s, p, m) and held > peak:
+                raise AssertionError(f"{call}: that is GPipe's order (every forward, then every backward): the "
+                                     f"same bubble, but stage {s} holds the activations of {held} micro-batches "
+                                     f"at once, where 1F1B holds {peak} (at most p - stage)")
+            w = p - s - 1
+            for dw in (1, -1):
+                if w + dw >= 0 and _with_warmup(w + dw, m) == ops and _with_warmup(w + dw, m) != want:
+                    raise AssertionError(f"{call}: warm-up off by one: a warm-up of {min(w + dw, m)} forwards "
+                                         f"before the first forward-backward step, expected {min(w, m)} "
+                                         "(p - stage - 1, at most m)")
+            first = next(k for k, (a, b) in enumerate(zip(ops, want)) if a != b)
+            raise AssertionError(f"{call} differs from 1F1B at op {first}: you run {ops[first]} there, 1F1B runs "
+                                 f"{want[first]}; {_around(ops, first)}")
+        by_case.setdefault((p, m), []).append(ops)
+    for orders in by_case.values():
         schedule.simulate(orders)          # the reference's orders never deadlock: a safety net for the judge itself
     p, m = ONE_F_ONE_B_CASES[0]
     return (f"1F1B on {len(ONE_F_ONE_B_CASES)} pipelines (incl. m < p and p = 1); at p={p}, m={m} the stages hold "
@@ -150,6 +231,8 @@ def judge_one_f_one_b(data: dict, name: str = "one_f_one_b") -> str:
 
 @exercise("10", "one_f_one_b", cell="def one_f_one_b(", hints=HINTS["one_f_one_b"], guards=("cost", "boundary"),
           mistakes={"GPipe order": "that is GPipe's order", "warm-up off by one": "warm-up off by one",
+                    "backward before forward": "before its own forward is impossible",
+                    "endless loop": "never returned",
                     "not every op once": "is not an order of every", "not a list of ops": "not a list of ops",
                     "wrong order": "differs from 1F1B"},
           judge=judge_one_f_one_b, references=("course_lib.strategies.pp.schedule.one_f_one_b_order",))
@@ -171,7 +254,17 @@ def reference_bubble_fraction(p: int, m: int) -> float:
 
 
 def run_bubble_fraction(fn) -> dict:
-    return {"got": [_plain.plain(fn(p, m)) for p, m in BUBBLE_CASES]}
+    """Run half: each value with its type's name (a tensor or NumPy scalar is named, not taken for a number)."""
+    return {"got": [_plain.typed(fn(p, m), frameworks=("torch.", "jax", "numpy.")) for p, m in BUBBLE_CASES]}
+
+
+def _number(sent):
+    """Judge half: the Python number a :func:`run_bubble_fraction` value holds (an int or float, a subclass read as
+    the number it holds), or None."""
+    got = sent.get("values") if isinstance(sent, dict) else None
+    if isinstance(sent, dict) and sent.get("type") == "numpy.float64" and isinstance(got, np.ndarray):
+        return float(got)                          # a subclass of Python's float: the same number, the same prints
+    return None if isinstance(got, bool) or not isinstance(got, (int, float)) or sent.get("dtype") else got
 
 
 def _measured_bubble(p: int, m: int) -> float:
@@ -186,16 +279,25 @@ def judge_bubble_fraction(data: dict, name: str = "bubble_fraction") -> str:
     got_all = data.get("got") if isinstance(data, dict) else None
     if not isinstance(got_all, list) or len(got_all) != len(BUBBLE_CASES):
         raise AssertionError(f"{name} was not run on every case; return a fraction for each")
-    for (p, m), got in zip(BUBBLE_CASES, got_all):
+    numbers = [_number(sent) for sent in got_all]
+    for (p, m), sent, got in zip(BUBBLE_CASES, got_all, numbers):
         exp = _measured_bubble(p, m)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise AssertionError(f"{name}(p={p}, m={m}) returned {_unplain(got) or repr(got)[:60]}: not a number; "
-                                 "return the idle fraction, a float between 0 and 1")
+        if got is None:
+            kind = sent.get("type") if isinstance(sent, dict) else type(sent).__name__
+            value = sent.get("values") if isinstance(sent, dict) else sent
+            shown = (f"a {kind} holding {np.asarray(value).ravel()[:3].tolist()}" if isinstance(value, np.ndarray)
+                     else f"a {kind}" if _unplain(value) else f"{value!r}"[:60] + f" (a {kind})")
+            raise AssertionError(f"{name}(p={p}, m={m}) returned {shown}: not a Python number; return a Python "
+                                 "float between 0 and 1, the idle fraction (float(x) converts a tensor or a NumPy "
+                                 "scalar)")
         if math.isclose(got, exp, rel_tol=1e-9, abs_tol=1e-12):
             continue
         msg = f"{name}(p={p}, m={m}) = {got!r}, expected {exp:.6g} (the idle share of the simulated step)"
-        same_m = [g for (pp, mm), g in zip(BUBBLE_CASES, got_all) if pp == p and mm != m]
-        if m > 0 and math.isclose(got, (p - 1) / m, rel_tol=1e-9):
+        same_m = [g for (pp, mm), g in zip(BUBBLE_CASES, numbers) if pp == p and mm != m]
+        if type(got) is int and not float(exp).is_integer():
+            msg += (f"\n   likely mistake: integer division: the answer is the int {got}; // (or int()) rounds the "
+                    "fraction down to a whole number, and the bubble lies between 0 and 1")
+        elif m > 0 and math.isclose(got, (p - 1) / m, rel_tol=1e-9):
             msg += ("\n   likely mistake: (p-1)/m is the bubble relative to the useful time (Megatron-LM's ratio); "
                     "the question asks its share of the whole step, which also holds the bubble")
         elif math.isclose(got, p / (m + p), rel_tol=1e-9):
@@ -215,7 +317,7 @@ def judge_bubble_fraction(data: dict, name: str = "bubble_fraction") -> str:
 @exercise("10", "bubble_fraction", cell="def bubble_fraction(", hints=HINTS["bubble_fraction"], guards=("argument",),
           mistakes={"relative to useful time": "relative to the useful time", "one stage too many": "one stage too many",
                     "busy share": "busy share", "percentage": "a percentage", "ignores m": "ignores m",
-                    "not a number": "not a number"},
+                    "not a number": "not a Python number", "integer division": "integer division"},
           judge=judge_bubble_fraction, references=("course_lib.strategies.pp.schedule.bubble_fraction",))
 def check_bubble_fraction(fn, name: str = "bubble_fraction") -> bool:
     """Exercise check: ``fn(p, m)`` is the share of a GPipe / 1F1B step each stage is idle."""
@@ -226,9 +328,10 @@ def check_bubble_fraction(fn, name: str = "bubble_fraction") -> bool:
 
 
 # == 3. the ring-attention merge ======================================================================================
-#: (what, scale of q, block sizes): blocks of keys merged left to right; q scaled up gives scores near 100
+#: (what, scale of q, block sizes): blocks of keys merged left to right; q scaled up gives scores near 100 (past
+#: float32's exp, ~88) and up to ~1300 (past float64's, ~709: computing in float64 does not save exp of an lse)
 MERGE_CASES = [("two blocks", 1.0, (5, 7)), ("large scores (lse near 100)", 60.0, (4, 4)),
-               ("three blocks in a row", 1.0, (3, 6, 2))]
+               ("three blocks in a row", 1.0, (3, 6, 2)), ("huge scores (lse up to ~1300)", 400.0, (4, 4))]
 
 
 def _merge_inputs(k: int):
@@ -246,8 +349,16 @@ def reference_ring_merge(o_a, lse_a, o_b, lse_b):
     return _merge(o_a, lse_a, o_b, lse_b)
 
 
+def _typed_pair(out):
+    """Run half: a returned pair as two :func:`plain.typed` values (each keeps its type and dtype), anything else
+    as plain data."""
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        return tuple(_plain.typed(a) for a in out)
+    return _plain.plain(out)
+
+
 def run_ring_merge(fn) -> dict:
-    """Run half: the learner's merge folded over each case's blocks; the last (o, lse) as plain data."""
+    """Run half: the learner's merge folded over each case's blocks; the last (o, lse), typed, as plain data."""
     got = []
     for k in range(len(MERGE_CASES)):
         q, _, _, ks, vs = _merge_inputs(k)
@@ -255,10 +366,11 @@ def run_ring_merge(fn) -> dict:
         out = None
         for kb, vb in zip(ks[1:], vs[1:]):
             out = fn(o, lse, *block_attention(q, kb, vb))
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                break
+            if not (isinstance(out, (tuple, list)) and len(out) == 2
+                    and all(isinstance(a, torch.Tensor) for a in out)):
+                break                          # the judge names what came back; the next merge would only crash
             o, lse = out
-        got.append(_plain.plain(out))
+        got.append(_typed_pair(out))
     return {"got": got}
 
 
@@ -271,11 +383,18 @@ def judge_ring_merge(data: dict, name: str = "ring_merge") -> str:
     for k, ((what, _, sizes), got) in enumerate(zip(MERGE_CASES, got_all)):
         q, keys, vals, ks, vs = _merge_inputs(k)
         exp_o, exp_lse = (t.numpy() for t in block_attention(q, keys, vals))
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(a, np.ndarray) for a in got)):
-            shown = _unplain(got) or (f"a {type(got).__name__} of {len(got)}" if isinstance(got, (list, tuple))
-                                      else repr(got)[:60])
+        if not (isinstance(got, (tuple, list)) and len(got) == 2
+                and all(isinstance(a, dict) and isinstance(a.get("values"), np.ndarray) for a in got)):
+            shown = _unplain(got) or (
+                f"({', '.join(str(a.get('type')) if isinstance(a, dict) else '?' for a in got)})"
+                if isinstance(got, (list, tuple)) and len(got) == 2 else
+                f"a {type(got).__name__} of {len(got)}" if isinstance(got, (list, tuple)) else repr(got)[:60])
             raise AssertionError(f"{name} ({what}) returned {shown}: not a pair; return (o, lse), two tensors")
-        o, lse = got
+        (o, lse), kinds = (a["values"] for a in got), [(a["type"], a["dtype"]) for a in got]
+        if any(kind != "torch.Tensor" for kind, _ in kinds):
+            raise AssertionError(f"{name} ({what}) returned ({kinds[0][0]}, {kinds[1][0]}): return torch tensors, "
+                                 "as the inputs are: the next merge and later cells use your output with torch "
+                                 "operations")
         if o.shape != exp_o.shape or lse.shape != exp_lse.shape:
             raise AssertionError(f"{name} ({what}): o {tuple(o.shape)} and lse {tuple(lse.shape)}, expected "
                                  f"{tuple(exp_o.shape)} and {tuple(exp_lse.shape)}: line lse's one value per row up "
@@ -283,20 +402,30 @@ def judge_ring_merge(data: dict, name: str = "ring_merge") -> str:
         o_ok = np.allclose(o, exp_o, rtol=1e-4, atol=1e-5)
         lse_ok = np.allclose(lse, exp_lse, rtol=1e-5, atol=1e-4)
         if o_ok and lse_ok:
+            if any(dtype != "float32" for _, dtype in kinds):
+                raise AssertionError(f"{name} ({what}) returned o in {kinds[0][1]} and lse in {kinds[1][1]}: the "
+                                     "right numbers, but return the inputs' dtype, float32; later cells mix your "
+                                     "output with float32 tensors")
             continue
         msg = f"{name} ({what}, blocks of {list(sizes)} keys): " + ("o" if not o_ok else "lse") + \
             " differs from attention over all the keys at once"
         (oa, la), (ob, lb) = block_attention(q, ks[0], vs[0]), block_attention(q, ks[1], vs[1])
         if not np.all(np.isfinite(o)) or not np.all(np.isfinite(lse)):
-            msg += ("\n   likely mistake: overflow: exp of an lse near 100 is inf in float32 (inf/inf = nan); "
-                    "write each weight as exp(lse_block - lse_merged), so no exponent is large")
+            msg += ("\n   likely mistake: overflow: exp of an lse on its own is inf once lse passes ~88 in float32 "
+                    "(~709 in float64, so a cast does not save it), and inf/inf = nan; take exp only of quantities "
+                    "that cannot be large, never of an lse alone")
         elif len(sizes) == 2 and np.allclose(o, ((oa + ob) / 2).numpy(), rtol=1e-4, atol=1e-5):
             msg += ("\n   likely mistake: a plain average weights both blocks equally; each block counts by its "
-                    "share of the exp-sum, exp(lse_block - lse_merged)")
+                    "share of the merged exp-sum, and the block with the larger lse counts more")
         elif len(sizes) == 2 and np.allclose(o, (la.exp()[..., None] * oa + lb.exp()[..., None] * ob).numpy(),
                                              rtol=1e-4, atol=1e-5):
             msg += ("\n   likely mistake: the weights do not sum to 1: divide by the merged exp-sum "
                     "(the denominator), exp(lse_merged)")
+        elif len(sizes) == 2 and np.allclose(
+                o, (torch.exp(lb - torch.logaddexp(la, lb))[..., None] * oa
+                    + torch.exp(la - torch.logaddexp(la, lb))[..., None] * ob).numpy(), rtol=1e-4, atol=1e-5):
+            msg += ("\n   likely mistake: the weights are swapped: o_a must be weighted by block a's own share of "
+                    "the exp-sum, o_b by b's")
         elif o_ok and not lse_ok:
             msg += ("\n   likely mistake: the merged lse is wrong: it is log(exp(lse_a) + exp(lse_b)), not the max "
                     "or the sum; the next merge reads it")
@@ -304,19 +433,22 @@ def judge_ring_merge(data: dict, name: str = "ring_merge") -> str:
             msg += ("\n   likely mistake: two blocks merge right but the third does not: the merged lse you return "
                     "is what the next merge reads; it is log(exp(lse_a) + exp(lse_b))")
         raise AssertionError(msg)
-    return f"{len(MERGE_CASES)} cases (two blocks, scores near 100, three blocks in a row) equal full attention"
+    return (f"{len(MERGE_CASES)} cases (two blocks, scores near 100, three blocks in a row, scores near 1000) equal "
+            "full attention, in float32")
 
 
 @exercise("10", "ring_merge", cell="def ring_merge(", hints=HINTS["ring_merge"],
           mistakes={"overflow": "overflow", "plain average": "plain average", "no denominator": "do not sum to 1",
                     "lse wrong": "the merged lse is wrong", "third block": "the third does not",
-                    "shapes": "line lse's one value per row up", "not a pair": "not a pair"},
+                    "shapes": "line lse's one value per row up", "not a pair": "not a pair",
+                    "swapped weights": "the weights are swapped", "float64": "return the inputs' dtype, float32",
+                    "not tensors": "return torch tensors, as the inputs"},
           judge=judge_ring_merge, references=("course_lib.strategies.cp.torch.merge",))
 def check_ring_merge(fn, name: str = "ring_merge") -> bool:
     """Exercise check: ``fn(o_a, lse_a, o_b, lse_b)`` returns the (o, lse) of attention over both blocks' keys."""
     fn = _guard(fn, "10", "ring_merge")
-    return decide(name, lab="10", tests="two blocks, scores near 100, three blocks merged in a row, each against "
-                  "attention over all the keys at once", run=lambda: run_ring_merge(fn), judge=judge_ring_merge,
+    return decide(name, lab="10", tests="two blocks, scores near 100, three blocks merged in a row, scores near "
+                  "1000, each against attention over all the keys at once, in float32", run=lambda: run_ring_merge(fn), judge=judge_ring_merge,
                   params={"name": name})
 
 
@@ -340,25 +472,63 @@ def reference_dispatch_counts(ids_per_rank, n_experts: int, cap: int) -> list[li
     return routing.dispatch_matrix(list(ids_per_rank), n_experts, len(ids_per_rank), cap)
 
 
+_SHOWN_TYPES = 64     # the run half names the types of at most this many rows and entries
+
+
+def _items(value) -> list:
+    """Run half: a list's or tuple's items by its real type's iterator (a subclass's own methods are not called)."""
+    items = list.__iter__(value) if _plain._is(value, list) else tuple.__iter__(value)
+    return [x for _, x in zip(range(_SHOWN_TYPES), items)]
+
+
+def _typed_matrix(value) -> dict:
+    """Run half: a returned matrix as plain data with the names of its own, its rows' and its entries' types (a
+    tensor or an array of counts is not a list of ints, though its numbers are)."""
+    sent = {"type": _plain.type_name(value), "values": _plain.plain(value)}
+    if _plain._is(value, (list, tuple)):
+        rows = _items(value)
+        sent["row_types"] = sorted({_plain.type_name(r) for r in rows})
+        sent["entry_types"] = sorted({_plain.type_name(x) for r in rows if _plain._is(r, (list, tuple))
+                                      for x in _items(r)})
+    return sent
+
+
 def run_dispatch_counts(fn) -> dict:
-    return {"got": [_plain.plain(fn([t.clone() for t in dispatch_inputs(k)], case[2], case[5]))
+    return {"got": [_typed_matrix(fn([t.clone() for t in dispatch_inputs(k)], case[2], case[5]))
                     for k, case in enumerate(DISPATCH_CASES)]}
 
 
-def _matrix(value, world: int) -> list[list[int]] | None:
-    if isinstance(value, np.ndarray) and value.shape == (world, world) and value.dtype.kind in "iuf":
-        value = value.tolist()
-    if not (isinstance(value, (list, tuple)) and len(value) == world):
+def _square(values, world: int) -> bool:
+    """Judge half: ``values`` holds world x world numbers, whatever their types (list rows, arrays, scalars)."""
+    if isinstance(values, np.ndarray):
+        return values.shape == (world, world) and values.dtype.kind in "biuf"
+    return (isinstance(values, (list, tuple)) and len(values) == world
+            and all((isinstance(r, np.ndarray) and r.shape == (world,) and r.dtype.kind in "biuf")
+                    or (isinstance(r, (list, tuple)) and len(r) == world
+                        and all(isinstance(x, (int, float)) or (isinstance(x, np.ndarray) and x.shape == ()
+                                                                 and x.dtype.kind in "biuf") for x in r))
+                    for r in values))
+
+
+def _matrix(values, world: int) -> list[list[int]] | None:
+    """Judge half: ``values`` as rows of ints when it is a list or tuple of ``world`` lists or tuples of ``world``
+    plain ints (no bool, no float, no tensor or array), else None."""
+    if not (isinstance(values, (list, tuple)) and len(values) == world):
         return None
-    rows = []
-    for row in value:
-        if isinstance(row, np.ndarray):
-            row = row.tolist()
-        if not (isinstance(row, (list, tuple)) and len(row) == world
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer() for x in row)):
-            return None
-        rows.append([int(x) for x in row])
-    return rows
+    if not all(isinstance(r, (list, tuple)) and len(r) == world and all(type(x) is int for x in r) for r in values):
+        return None
+    return [list(r) for r in values]
+
+
+def _types_shown(sent: dict) -> str:
+    """Judge half: what a matrix of the right size but the wrong types is made of, in the learner's words."""
+    kind = sent.get("type")
+    if kind not in ("list", "tuple"):
+        return f"a {kind}"
+    rows = [t for t in sent.get("row_types", []) if t not in ("list", "tuple")]
+    if rows:
+        return f"a {kind} of {' / '.join(map(str, rows))} rows"
+    return f"a {kind} of rows holding {' / '.join(t for t in sent.get('entry_types', []) if t != 'int')} entries"
 
 
 def _variant(ids_per_rank, E: int, cap: int, *, drop: bool = True, slack: int = 0,
@@ -381,10 +551,15 @@ def judge_dispatch_counts(data: dict, name: str = "dispatch_counts") -> str:
     got_all = data.get("got") if isinstance(data, dict) else None
     if not isinstance(got_all, list) or len(got_all) != len(DISPATCH_CASES):
         raise AssertionError(f"{name} was not run on every case; return a matrix of counts")
-    for k, ((what, world, E, _, _, cap, _), got) in enumerate(zip(DISPATCH_CASES, got_all)):
+    for k, ((what, world, E, _, _, cap, _), sent) in enumerate(zip(DISPATCH_CASES, got_all)):
         ids = dispatch_inputs(k)
         exp = routing.dispatch_matrix(ids, E, world, cap)
+        got = sent.get("values") if isinstance(sent, dict) else sent
         rows = _matrix(got, world)
+        if rows is None and _square(got, world):
+            raise AssertionError(f"{name} ({what}) returned {_types_shown(sent)}: return plain Python ints, a list "
+                                 "of rows of int (int(x) or .tolist() converts a tensor or an array); later cells "
+                                 "compare and print your counts as ints")
         if rows is None:
             shown = _unplain(got) or repr(got)[:80]
             raise AssertionError(f"{name} ({what}) returned {shown}: not a {world}x{world} matrix of counts; return "
@@ -399,6 +574,8 @@ def judge_dispatch_counts(data: dict, name: str = "dispatch_counts") -> str:
                     "the rest never leave their rank")
         elif rows == _variant(ids, E, cap, slack=1):
             msg += "\n   likely mistake: capacity off by one: an expert takes exactly C copies, no more"
+        elif rows == _variant(ids, E, cap, slack=-1):
+            msg += "\n   likely mistake: capacity off by one: an expert takes exactly C copies, not C - 1"
         elif rows == _variant(ids, E, cap, round_robin=True):
             msg += ("\n   likely mistake: experts dealt round-robin; rank r holds the contiguous experts "
                     "r·E/p .. (r+1)·E/p - 1")
@@ -410,7 +587,8 @@ def judge_dispatch_counts(data: dict, name: str = "dispatch_counts") -> str:
           guards=("boundary", "argument"),
           mistakes={"transposed": "transposed", "dropped counted": "counts dropped copies",
                     "capacity off by one": "capacity off by one",
-                    "round-robin experts": "round-robin", "not a matrix": "matrix of counts"},
+                    "round-robin experts": "round-robin", "not a matrix": "matrix of counts",
+                    "not plain ints": "return plain Python ints"},
           judge=judge_dispatch_counts, references=("course_lib.strategies.ep.routing.dispatch_matrix",))
 def check_dispatch_counts(fn, name: str = "dispatch_counts") -> bool:
     """Exercise check: ``fn(ids_per_rank, n_experts, capacity)`` is the dispatch all-to-all's count matrix."""

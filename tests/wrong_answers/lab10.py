@@ -61,11 +61,15 @@ def one_f_one_b(stage, p, m):
     Wrong("10", "one_f_one_b", "boundary", "warm-up off by one", _order(warmup="min(p - stage, m)"), ORDER,
           "p - stage warm-up forwards: one too many"),
     Wrong("10", "one_f_one_b", "boundary", "warm-up off by one", _order(warmup="max(min(p - stage - 2, m), 0)"),
-          ORDER, "p - stage - 2 warm-up forwards: one too few"),
+          ORDER, "p - stage - 2 warm-up forwards: one too few", ("a warm-up of 2 forwards", "expected 3")),
+    Wrong("10", "one_f_one_b", "value", "backward before forward", _order(steady='[("B", i), ("F", w + i)]'), ORDER,
+          "the steady state runs the oldest backward, then the next forward: on the last stage ('B', i) comes "
+          "before its own ('F', i)"),
     Wrong("10", "one_f_one_b", "value", "not every op once", _order(warmup="p - stage - 1"), ORDER,
           "the warm-up not capped at m: forwards of micro-batches that do not exist when m < p"),
     Wrong("10", "one_f_one_b", "value", "wrong order", _order().replace('range(m - w, m)]', 'reversed(range(m - w, m))]'),
-          ORDER, "the cool-down backwards newest first"),
+          ORDER, "the cool-down backwards newest first (the ❌ line shows the learner's ops there, not the answer)",
+          ("your ops",)),
     Wrong("10", "one_f_one_b", "value", "not a list of ops", _LIAR + """\
 def one_f_one_b(stage, p, m):
     return Agreeable()
@@ -74,6 +78,14 @@ def one_f_one_b(stage, p, m):
 def one_f_one_b(stage, p, m):
     return [f"{k}{i}" for k, i in [("F", i) for i in range(m)] + [("B", i) for i in range(m)]]
 """, ORDER, "torch's labels ('F0') instead of ('F', 0)"),
+    Wrong("10", "one_f_one_b", "value", "endless loop", """\
+def one_f_one_b(stage, p, m):
+    ops, f, b = [], 0, 0
+    while b < m:                             # b never moves: appends until the memory runs out
+        ops.append(("F", f))
+        f += 1
+    return ops
+""", ORDER, "a while loop whose counter never moves: stopped, not left to fill the memory"),
     Wrong("10", "one_f_one_b", "crash", "crash", _order(warmup="p - stage - 1 if stage < p - 1 else None"), ORDER,
           "the last stage's warm-up is None: range(None)", ("TypeError",)),
     # -- bubble_fraction -----------------------------------------------------------------------------------------------
@@ -99,6 +111,15 @@ def bubble_fraction(p, m):
 """, BUBBLE, "a float subclass whose == always agrees, holding (p-1)/m"),
     Wrong("10", "bubble_fraction", "value", "not a number",
           "def bubble_fraction(p, m):\n    return f'{(p - 1) / (m + p - 1):.3f}'\n", BUBBLE, "a formatted string"),
+    Wrong("10", "bubble_fraction", "value", "not a number",
+          "def bubble_fraction(p, m):\n    return torch.tensor(p - 1) / (m + p - 1)\n", BUBBLE,
+          "a 0-d torch tensor: later cells format it as a number", ("torch.Tensor",)),
+    Wrong("10", "bubble_fraction", "value", "not a number",
+          "def bubble_fraction(p, m):\n    return np.float32(p - 1) / np.float32(m + p - 1)\n", BUBBLE,
+          "a NumPy float32 scalar", ("numpy.float32",)),
+    Wrong("10", "bubble_fraction", "value", "integer division",
+          "def bubble_fraction(p, m):\n    return (p - 1) // (m + p - 1)\n", BUBBLE,
+          "// rounds the fraction down: 0 whatever p and m"),
     Wrong("10", "bubble_fraction", "crash", "crash",
           "def bubble_fraction(p, m):\n    return (p - 1) / (m + p - 1) if p > 1 else 0 / (p - 1)\n",
           BUBBLE, "one stage: a division by p - 1 = 0", ("ZeroDivisionError",)),
@@ -110,6 +131,25 @@ def bubble_fraction(p, m):
     e_a, e_b = lse_a.exp(), lse_b.exp()                  # no rescale by the max: inf at lse ~ 100
     return (e_a[..., None] * o_a + e_b[..., None] * o_b) / (e_a + e_b)[..., None], (e_a + e_b).log()
 """), MERGE, "weights as exp(lse) / sum: overflows"),
+    Wrong("10", "ring_merge", "value", "overflow", _merge("""\
+    sa, sb = torch.exp(lse_a.double()), torch.exp(lse_b.double())   # float64: fine at lse ~ 100, inf past ~709
+    s = sa + sb
+    return ((sa[..., None] * o_a + sb[..., None] * o_b) / s[..., None]).float(), torch.log(s).float()
+"""), MERGE, "exp(lse) without the rescale, computed in float64: overflows all the same at lse ~ 1000",
+          ("huge scores",)),
+    Wrong("10", "ring_merge", "value", "float64", _merge("""\
+    lse = torch.logaddexp(lse_a.double(), lse_b.double())
+    return torch.exp(lse_a - lse)[..., None] * o_a + torch.exp(lse_b - lse)[..., None] * o_b, lse
+"""), MERGE, "right numbers in float64: a later cell mixes them with float32 tensors and crashes"),
+    Wrong("10", "ring_merge", "value", "not tensors", _merge("""\
+    lse = torch.logaddexp(lse_a, lse_b)
+    o = torch.exp(lse_a - lse)[..., None] * o_a + torch.exp(lse_b - lse)[..., None] * o_b
+    return o.numpy(), lse.numpy()
+"""), MERGE, "right numbers as NumPy arrays", ("numpy.ndarray",)),
+    Wrong("10", "ring_merge", "value", "swapped weights", _merge("""\
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_b - lse)[..., None] * o_a + torch.exp(lse_a - lse)[..., None] * o_b, lse
+"""), MERGE, "o_a weighted by block b's share"),
     Wrong("10", "ring_merge", "value", "no denominator", _merge("""\
     lse = torch.logaddexp(lse_a, lse_b)
     return lse_a.exp()[..., None] * o_a + lse_b.exp()[..., None] * o_b, lse
@@ -132,6 +172,15 @@ def bubble_fraction(p, m):
     Wrong("10", "dispatch_counts", "value", "dropped counted", _rows(clamp=""), COUNTS, "no capacity"),
     Wrong("10", "dispatch_counts", "boundary", "capacity off by one", _rows(clamp=".clamp(max=capacity + 1)"), COUNTS,
           "keeps copies while their position <= C"),
+    Wrong("10", "dispatch_counts", "boundary", "capacity off by one", _rows(clamp=".clamp(max=capacity - 1)"), COUNTS,
+          "keeps C - 1 copies per expert", ("not C - 1",)),
+    Wrong("10", "dispatch_counts", "value", "not plain ints", _rows(row="kept.view(world, per).sum(1)"), COUNTS,
+          "rows returned as torch tensors: a later cell's == gives a tensor, not True", ("torch.Tensor rows",)),
+    Wrong("10", "dispatch_counts", "value", "not plain ints",
+          _rows(ret="np.array(rows)").replace("import torch\n", "import numpy as np\nimport torch\n"), COUNTS,
+          "a NumPy array: a later cell's == prints a grid of booleans", ("numpy.ndarray",)),
+    Wrong("10", "dispatch_counts", "value", "not plain ints",
+          _rows(row="[float(x) for x in kept.view(world, per).sum(1)]"), COUNTS, "counts as floats", ("float",)),
     Wrong("10", "dispatch_counts", "value", "round-robin experts",
           _rows(row="[int(kept[d::world].sum()) for d in range(world)]"), COUNTS, "expert e on rank e % p"),
     Wrong("10", "dispatch_counts", "value", "not a matrix", _LIAR + _counts("    return Agreeable()\n"), COUNTS,
@@ -149,6 +198,14 @@ RIGHT = [
     o = (s_a[..., None] * o_a + s_b[..., None] * o_b) / (s_a + s_b)[..., None]
     return o, m + torch.log(s_a + s_b)
 """), MERGE, "the max-rescaled form with an explicit denominator"),
+    Right("10", "ring_merge", _merge("""\
+    a, b = lse_a.double(), lse_b.double()                # float64 inside, the inputs' dtype out
+    lse = torch.logaddexp(a, b)
+    o = torch.exp(a - lse)[..., None] * o_a.double() + torch.exp(b - lse)[..., None] * o_b.double()
+    return o.to(o_a.dtype), lse.to(lse_a.dtype)
+"""), MERGE, "computes in float64 and casts back"),
+    Right("10", "bubble_fraction", "def bubble_fraction(p, m):\n    return np.float64(p - 1) / (m + p - 1)\n", BUBBLE,
+          "a NumPy float64, which is a Python float"),
     Right("10", "dispatch_counts", _counts("""\
     world = len(ids_per_rank)
     per = n_experts // world
