@@ -427,11 +427,11 @@ def judge_ring_merge(data: dict, name: str = "ring_merge") -> str:
             msg += ("\n   likely mistake: the weights are swapped: o_a must be weighted by block a's own share of "
                     "the exp-sum, o_b by b's")
         elif o_ok and not lse_ok:
-            msg += ("\n   likely mistake: the merged lse is wrong: it is log(exp(lse_a) + exp(lse_b)), not the max "
-                    "or the sum; the next merge reads it")
+            msg += ("\n   likely mistake: the merged lse is wrong: it must be the log of both blocks' exp-sums "
+                    "together, not the max or the sum of the two lse; the next merge reads it")
         elif len(sizes) > 2 and not o_ok:
             msg += ("\n   likely mistake: two blocks merge right but the third does not: the merged lse you return "
-                    "is what the next merge reads; it is log(exp(lse_a) + exp(lse_b))")
+                    "is what the next merge reads: the log of both blocks' exp-sums together")
         raise AssertionError(msg)
     return (f"{len(MERGE_CASES)} cases (two blocks, scores near 100, three blocks in a row, scores near 1000) equal "
             "full attention, in float32")
@@ -566,7 +566,9 @@ def judge_dispatch_counts(data: dict, name: str = "dispatch_counts") -> str:
                                  "a list of rows, row src = what rank src sends to each rank")
         if rows == exp:
             continue
-        msg = f"{name} ({what}, capacity {cap}) = {rows}, expected {exp}"
+        src, dst = next((i, j) for i in range(world) for j in range(world) if rows[i][j] != exp[i][j])
+        msg = (f"{name} ({what}, capacity {cap}): row {src} (what rank {src} sends) is {rows[src]}; at column {dst} "
+               f"you count {rows[src][dst]} copies, {exp[src][dst]} reach rank {dst}")
         if rows == [list(c) for c in zip(*exp)]:
             msg += "\n   likely mistake: transposed: row = source rank, column = destination rank"
         elif rows == _variant(ids, E, cap, drop=False):
