@@ -24,6 +24,8 @@ Where each half runs:
   exercise. While a graded run half executes, each raises :class:`ReferenceUnavailable` (the learner's functions are
   wrapped in :class:`Guarded`, which blocks them in the kernel and on every rank), and a learner cell that names one
   is flagged by the grader.
+* **bounded call** (:func:`bounded`): a run half may call the learner's function under a budget of Python lines, so
+  a loop that never ends is stopped and named instead of filling the kernel's memory.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import importlib
 import io
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -40,7 +43,7 @@ from course_lib.checks import plain as _plain
 from course_lib.checks.core import check
 
 __all__ = ["OUTBOX_VAR", "Verdict", "ReferenceUnavailable", "Guarded", "guard", "decide", "verdict_of", "outbox_file",
-           "read_outbox", "unavailable", "STATES"]
+           "read_outbox", "unavailable", "STATES", "Endless", "bounded", "LINE_BUDGET"]
 
 OUTBOX_VAR = "COURSE_LIB_OUTBOX"
 STATES = ("solved", "wrong", "not attempted", "crashed")
@@ -132,6 +135,39 @@ def guard(fn: Callable, lab: str, name: str) -> Callable:
     from course_lib.checks import registry
     refs = registry.find(lab, name).references
     return Guarded(fn, refs, name) if refs else fn
+
+
+#: Python lines one bounded call of a learner's function may run: past it, the call is stopped as an endless loop
+#: before its data fills the memory (a ``while`` whose counter never moves appends ~3 million items a second, and
+#: once took a kernel down at 24 GB)
+LINE_BUDGET = 1_000_000
+
+
+class Endless(BaseException):
+    """Raised into the learner's code when a :func:`bounded` call runs past its line budget (a BaseException, so an
+    ``except Exception`` in the loop does not swallow it)."""
+
+
+def bounded(fn: Callable, *args, budget: int = LINE_BUDGET):
+    """Run half: ``fn(*args)``, stopped with :class:`Endless` after ``budget`` traced lines. The line count is
+    :func:`sys.settrace`'s, this thread's only (no signal, no memory limit that other threads of the kernel could
+    hit); the trace function already set (a debugger's, coverage's) is restored afterwards."""
+    lines = 0
+
+    def local(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines > budget:
+                raise Endless
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(previous)
 
 
 def outbox_file(outbox: str | Path, lab: str, name: str) -> Path:

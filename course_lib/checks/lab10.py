@@ -10,13 +10,12 @@ halves that keep the types a later cell relies on, and stop an endless 1F1B loop
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import torch
 
 from course_lib.checks import plain as _plain
-from course_lib.checks.judge import decide, guard as _guard
+from course_lib.checks.judge import LINE_BUDGET, Endless, bounded, decide, guard as _guard
 from course_lib.checks.registry import exercise
 from course_lib.strategies.cp.torch import block_attention, merge as _merge
 from course_lib.strategies.ep import routing
@@ -81,49 +80,16 @@ def reference_one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
     return schedule.one_f_one_b_order(stage, p, m)
 
 
-#: Python lines one call of the learner's order may run (the reference runs a few dozen): past it, the call is
-#: stopped as an endless loop before its list fills the memory (a ``while`` whose counter never moves appends ~3
-#: million ops a second, and once took a kernel down at 24 GB)
-LINE_BUDGET = 1_000_000
-
-
-class _Endless(BaseException):
-    """Raised into the learner's code when a call runs past :data:`LINE_BUDGET` lines (a BaseException, so an
-    ``except Exception`` in the loop does not swallow it)."""
-
-
-def _bounded(fn, *args):
-    """Run half: ``fn(*args)``, stopped with :class:`_Endless` after :data:`LINE_BUDGET` traced lines. The line
-    count is :func:`sys.settrace`'s, this thread's only (no signal, no memory limit that other threads of the kernel
-    could hit); the trace function already set (a debugger's, coverage's) is restored afterwards."""
-    lines = 0
-
-    def local(frame, event, arg):
-        nonlocal lines
-        if event == "line":
-            lines += 1
-            if lines > LINE_BUDGET:
-                raise _Endless
-        return local
-
-    previous = sys.gettrace()
-    sys.settrace(lambda frame, event, arg: local)
-    try:
-        return fn(*args)
-    finally:
-        sys.settrace(previous)
-
-
 def run_one_f_one_b(fn) -> dict:
     """Run half: the learner's order for every stage of every case, as plain data; a call that never returns is
-    stopped (:func:`_bounded`) and named."""
+    stopped (:func:`course_lib.checks.judge.bounded`) and named."""
     got = []
     for p, m in ONE_F_ONE_B_CASES:
         got.append([])
         for s in range(p):
             try:
-                got[-1].append(_plain.plain(_bounded(fn, s, p, m)))
-            except _Endless:
+                got[-1].append(_plain.plain(bounded(fn, s, p, m)))
+            except Endless:
                 return {"got": got, "endless": f"stage={s}, p={p}, m={m}"}
     return {"got": got}
 
@@ -448,8 +414,8 @@ def check_ring_merge(fn, name: str = "ring_merge") -> bool:
     """Exercise check: ``fn(o_a, lse_a, o_b, lse_b)`` returns the (o, lse) of attention over both blocks' keys."""
     fn = _guard(fn, "10", "ring_merge")
     return decide(name, lab="10", tests="two blocks, scores near 100, three blocks merged in a row, scores near "
-                  "1000, each against attention over all the keys at once, in float32", run=lambda: run_ring_merge(fn), judge=judge_ring_merge,
-                  params={"name": name})
+                  "1000, each against attention over all the keys at once, in float32", run=lambda: run_ring_merge(fn),
+                  judge=judge_ring_merge, params={"name": name})
 
 
 # == 4. the all-to-all dispatch counts ================================================================================
