@@ -264,17 +264,18 @@ _MB_FILE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11 NeMo
             "recipes scripts/performance/configs/llama)")
 
 
-def _megatron(name, source, model, nodes, gbs, seq, tps, tp=1, **dims):
+def _megatron(name, source, model, nodes, gbs, seq, tps, tp=1, float8=True, reduce_bytes=4, **dims):
     """A Megatron-Core row [NEMO] / [MBRIDGE] on DGX-H100 (700 W, NDR InfiniBand), priced as Megatron-Core runs by
     default: the distributed optimizer (ZeRO-1), Transformer Engine's fp8 linears, fused kernels (``compile``), its
     cuDNN fused attention, no recompute (the recipes set none), context parallel as Transformer Engine's ``p2p``
     ring (``cp_rotate="ring"``, K/V at their own width). ``gbs`` the global batch: each data-parallel rank's
-    ``gbs/dp`` sequences run as that many micro-batches of one (MBS 1)."""
+    ``gbs/dp`` sequences run as that many micro-batches of one (MBS 1). ``float8=False`` for a bf16 run,
+    ``reduce_bytes=2`` where gradients are reduced in bf16."""
     pp, cp = dims.get("pp", 1), dims.get("cp", 1)
     dp = nodes * 8 // (tp * pp * cp)
-    title = _NEMO_FILE if source == "NEMO" else _MB_FILE
+    title = {"NEMO": _NEMO_FILE, "MBRIDGE": _MB_FILE, "MCORE-MOE": _MCORE_MOE}[source]
     return DimsRun(name, source, model, _H(nodes), gbs // dp, seq, tps, "none", strategy="zero1", compile=True,
-                   float8=True, tp=tp, attention="cudnn", title=title,
+                   float8=float8, tp=tp, attention="cudnn", title=title, reduce_bytes=reduce_bytes,
                    dims=pd.Dims(micro_batches=gbs // dp, cp_rotate="ring", **dims))
 
 
@@ -290,11 +291,10 @@ DIMS_HELD_OUT = (
               virtual_stages=5, **_VP),
     _megatron("Megatron-Bridge Llama-3.1-405B, 1024 H100, TP8 PP8 VP8 CP2", "MBRIDGE", LLAMA3_405B, 128, 512, 8192,
               292, tp=8, pp=8, virtual_stages=8, cp=2, **_VP),
-    dataclasses.replace(
-        _megatron("Megatron-LM Mixtral-8x7B, 64 H100, EP8 PP4 VP8, bf16", "MCORE-MOE", MIXTRAL_8X7B, 8, 256, 4096,
-                  round(MIXTRAL_8X7B_TFLOPS * 1e12 / megatron_flops_per_token(MIXTRAL_8X7B, 4096, 2)), pp=4,
-                  virtual_stages=8, ep=8, moe=MIXTRAL_8X7B_MOE, **_VP),
-        float8=False, reduce_bytes=2, title=_MCORE_MOE),      # --bf16, gradients reduced in bf16 (Megatron's default)
+    _megatron("Megatron-LM Mixtral-8x7B, 64 H100, EP8 PP4 VP8, bf16", "MCORE-MOE", MIXTRAL_8X7B, 8, 256, 4096,
+              round(MIXTRAL_8X7B_TFLOPS * 1e12 / megatron_flops_per_token(MIXTRAL_8X7B, 4096, 2)), pp=4,
+              virtual_stages=8, ep=8, moe=MIXTRAL_8X7B_MOE, float8=False, reduce_bytes=2,   # --bf16: grads in bf16
+              **_VP),
 )
 
 
